@@ -1,0 +1,17 @@
+"""fused-swiglu: Triton kernels for the SwiGLU MLP of LLaMA/Mistral/Qwen-class models."""
+
+from .functional import fused_path_available, swiglu_mlp
+from .layout import CHUNK, pack_gate_up, unpack_gate_up
+from .nn import SwiGLUMLP
+from .reference import reference_swiglu_mlp
+
+__all__ = [
+    "CHUNK",
+    "SwiGLUMLP",
+    "fused_path_available",
+    "pack_gate_up",
+    "reference_swiglu_mlp",
+    "swiglu_mlp",
+    "unpack_gate_up",
+]
+__version__ = "0.1.0"

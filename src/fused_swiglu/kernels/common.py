@@ -1,0 +1,126 @@
+"""Pieces every kernel family shares: allocation, the persistent grid, tile order, packed-column shuffles."""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..layout import CHUNK
+
+class Saved(enum.IntEnum):
+    """What the forward kernel writes for the backward, besides its output."""
+
+    NOTHING = 0  # inference
+    FACTORS = 1  # [silu(g) | gate_multiplier * u * silu'(g)], packed [M, 2I]
+    PREACT = 2  # [u | x @ Wg^T] as accumulated (gate_multiplier not applied), packed [M, 2I]
+
+
+#: Programs of a persistent launch on a CPU tensor (interpreter): small, so tests walk the tile loop.
+INTERPRETER_PROGRAMS = 3
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Every buffer a launcher hands to a kernel comes from here (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(num_tiles: int, device: torch.device) -> int:
+    """One program per multiprocessor, never more than there are tiles."""
+    if device.type == "cuda":
+        return max(1, min(num_tiles, _sm_count(device.index if device.index is not None else 0)))
+    return max(1, min(num_tiles, INTERPRETER_PROGRAMS))
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if TMA can address it as is (unit last stride, 16-byte aligned base and rows), else a copy that can.
+
+    Only the layout is fixed here; callers check beforehand that the row width itself is 16-byte aligned.
+    """
+    itemsize = t.element_size()
+    if t.stride(-1) == 1 and (t.stride(0) * itemsize) % 16 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow PyTorch's TF32 switch, so the fused path is as exact as ``torch.mm`` would be."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+@triton.jit
+def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped (L2-friendly) order: GROUP_M row-tiles sweep the column tiles together."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    i_m = first_m + (tile % per_group) % group_m
+    i_n = (tile % per_group) // group_m
+    return i_m, i_n
+
+
+@triton.jit
+def split_halves(b, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """[ROWS, WIDTH] -> left [ROWS, WIDTH/2], right [ROWS, WIDTH/2] (register-only on MMA layouts)."""
+    return tl.split(tl.permute(tl.reshape(b, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def unpack_columns(b, ROWS: tl.constexpr, WIDTH: tl.constexpr, CHUNK_: tl.constexpr):
+    """Packed [ROWS, WIDTH] -> (up, gate), each [ROWS, WIDTH/2] in intermediate-column order."""
+    b = tl.permute(tl.reshape(b, (ROWS, WIDTH // (2 * CHUNK_), 2, CHUNK_)), (0, 1, 3, 2))
+    b_up, b_gate = tl.split(b)
+    return tl.reshape(b_up, (ROWS, WIDTH // 2)), tl.reshape(b_gate, (ROWS, WIDTH // 2))
+
+
+@triton.jit
+def pack_columns(b_up, b_gate, ROWS: tl.constexpr, WIDTH: tl.constexpr, CHUNK_: tl.constexpr):
+    """Inverse of ``unpack_columns``: (up, gate) [ROWS, WIDTH/2] -> packed [ROWS, WIDTH]."""
+    b_up = tl.reshape(b_up, (ROWS, WIDTH // (2 * CHUNK_), CHUNK_))
+    b_gate = tl.reshape(b_gate, (ROWS, WIDTH // (2 * CHUNK_), CHUNK_))
+    b = tl.permute(tl.join(b_up, b_gate), (0, 1, 3, 2))
+    return tl.reshape(b, (ROWS, WIDTH))
+
+
+@triton.jit
+def silu_and_slope(b_g):
+    """silu(g) and its derivative s * (1 + g * (1 - s)), s = sigmoid(g), in fp32."""
+    b_s = tl.sigmoid(b_g)
+    return b_g * b_s, b_s * (1.0 + b_g * (1.0 - b_s))
+
+
+__all__ = [
+    "CHUNK",
+    "Saved",
+    "descriptor",
+    "dot_precision",
+    "empty",
+    "interpreting",
+    "pack_columns",
+    "persistent_programs",
+    "silu_and_slope",
+    "split_halves",
+    "tile_coords",
+    "tma_ready",
+    "unpack_columns",
+]

@@ -1,0 +1,80 @@
+"""Tile configurations of the fused kernels, chosen per problem without run-time autotuning.
+
+Why no autotuning at call time: the backward kernel writes in place (a re-run would corrupt its
+input), and autotuning every new batch size costs tens of seconds on the first call. Instead the
+choice is a pure function of (M bucket, hidden, intermediate, dtype), measured once on the target GPU
+(see docs/benchmarks/) and written down here; every new shape compiles exactly one kernel per family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import CHUNK
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape. ``block_n`` counts intermediate columns; the packed tile is ``2 * block_n`` wide."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    # Store the epilogue in this many column pieces: smaller staging buffers leave shared memory to
+    # the main loop's pipeline stages.
+    epilogue_split: int = 2
+    # Pipeline across tiles of the persistent loop (overlaps an epilogue with the next tile's loads).
+    flatten: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "epilogue_split"):
+            value = getattr(self, name)
+            if value <= 0 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.block_n // self.epilogue_split < CHUNK:
+            raise ValueError(
+                f"block_n / epilogue_split must cover at least one packed chunk ({CHUNK}), "
+                f"got {self.block_n} / {self.epilogue_split}"
+            )
+
+    def kernel_meta(self) -> dict:
+        return {
+            "BM": self.block_m,
+            "BN": self.block_n,
+            "BK": self.block_k,
+            "GROUP_M": self.group_m,
+            "EPI_SPLIT": self.epilogue_split,
+            "FLATTEN": self.flatten,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+# Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
+# tiles, ragged edges and several persistent-loop iterations.
+INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
+def forward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
+    """Tile of the gate/up GEMM + SwiGLU kernel for x [m, hidden] and a packed [2 * inter, hidden] weight."""
+    if not on_gpu:
+        return INTERPRETER_CONFIG
+    block_k = 64 if dtype.itemsize == 2 else 32
+    if m <= 64:
+        return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3)
+
+
+def backward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
+    """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``)."""
+    if not on_gpu:
+        return INTERPRETER_CONFIG
+    block_k = 64 if dtype.itemsize == 2 else 32
+    if m <= 64:
+        return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3)

@@ -1,0 +1,146 @@
+"""Backward stage 1: dA = dY @ W_down, tile by tile, turned into [dU | dG] in the epilogue, in place.
+
+dA is never written to memory: each [BM, BN] tile of it meets the saved packed tensor of the same
+rows and intermediate columns in registers, and the resulting gradients overwrite that saved tensor,
+which thereby becomes the packed grad of the gate/up pre-activation, ready for the two cuBLAS GEMMs
+dX = dGU @ W_packed and dW_packed = dGU^T @ x. With saved pre-activations the epilogue also
+recomputes ``a`` (times the down multiplier) for dW_down, so ``a`` is not kept between passes.
+
+Never autotune this kernel: a second launch would read gradients where it expects saved tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    CHUNK,
+    Saved,
+    descriptor,
+    dot_precision,
+    empty,
+    interpreting,
+    pack_columns,
+    persistent_programs,
+    silu_and_slope,
+    split_halves,
+    tile_coords,
+    unpack_columns,
+)
+from .configs import TileConfig, backward_config
+
+
+@triton.jit
+def _backward_epilogue(
+    b_da,  # [BM, W] fp32: d loss / d a for intermediate columns [o_n, o_n + W)
+    s_desc,
+    a_desc,
+    o_m,
+    o_n,
+    gate_scale,
+    out_scale,
+    SAVED: tl.constexpr,
+    BM: tl.constexpr,
+    W: tl.constexpr,
+    CHUNK_: tl.constexpr,
+):
+    b_first, b_second = unpack_columns(s_desc.load([o_m, 2 * o_n]).to(tl.float32), BM, 2 * W, CHUNK_)
+    if SAVED == 1:
+        # Saved factors: silu(g) and gate_scale * u * silu'(g). Two multiplies, no sigmoid.
+        b_dup = b_da * b_first
+        b_dgate = b_da * b_second
+    else:
+        # Saved pre-activations: u and the unscaled gate accumulator.
+        b_g = b_second * gate_scale
+        b_silu, b_slope = silu_and_slope(b_g)
+        b_dup = b_da * b_silu
+        b_dgate = b_da * b_first * b_slope * gate_scale
+        a_desc.store([o_m, o_n], (b_silu * b_first * out_scale).to(a_desc.dtype))
+    s_desc.store([o_m, 2 * o_n], pack_columns(b_dup, b_dgate, BM, 2 * W, CHUNK_).to(s_desc.dtype))
+
+
+@triton.jit
+def _glu_backward_kernel(
+    dy_desc,  # [M, K]: grad of y, K = hidden
+    wd_desc,  # [K, N]: W_down
+    s_desc,  # [M, 2N] packed: saved tensor in, packed gradient out
+    a_desc,  # [M, N] recomputed a (SAVED == 2), else None
+    M,
+    N,
+    K,
+    gate_scale,
+    out_scale,
+    SAVED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    CHUNK_: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
+        i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        o_m = i_m * BM
+        o_n = i_n * BN
+        b_acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for i_k in range(num_k):
+            b_dy = dy_desc.load([o_m, i_k * BK])  # [BM, BK]
+            b_wd = wd_desc.load([i_k * BK, o_n])  # [BK, BN]
+            b_acc = tl.dot(b_dy, b_wd, b_acc, input_precision=DOT_PRECISION)
+        b_acc = b_acc * out_scale  # y carries the down multiplier, so dA does too
+        if EPI_SPLIT == 1:
+            _backward_epilogue(b_acc, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN, CHUNK_)
+        else:
+            b_lo, b_hi = split_halves(b_acc, BM, BN)
+            _backward_epilogue(b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN // 2, CHUNK_)
+            _backward_epilogue(
+                b_hi, s_desc, a_desc, o_m, o_n + BN // 2, gate_scale, out_scale, SAVED, BM, BN // 2, CHUNK_
+            )
+
+
+def glu_backward_(
+    dy: torch.Tensor,
+    w_down: torch.Tensor,
+    saved: torch.Tensor,
+    *,
+    gate_scale: float,
+    out_scale: float,
+    kind: Saved,
+    config: TileConfig | None = None,
+) -> torch.Tensor | None:
+    """Overwrite ``saved`` [M, 2I] with the packed pre-activation gradient [dU | dG] (trailing ``_``: in place).
+
+    ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable. Returns the recomputed
+    ``out_scale * a`` [M, I] when ``kind`` is ``Saved.PREACT``, else ``None``.
+    """
+    if kind == Saved.NOTHING:
+        raise ValueError("the backward needs saved factors or pre-activations")
+    m, hidden = dy.shape
+    inter = w_down.shape[1]
+    cfg = config or backward_config(m, hidden, inter, dy.dtype, on_gpu=not interpreting())
+    width = cfg.block_n // cfg.epilogue_split
+    a = empty((m, inter), dy) if kind == Saved.PREACT else None
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
+    _glu_backward_kernel[(persistent_programs(num_tiles, dy.device),)](
+        descriptor(dy, [cfg.block_m, cfg.block_k]),
+        descriptor(w_down, [cfg.block_k, cfg.block_n]),
+        descriptor(saved, [cfg.block_m, 2 * width]),
+        None if a is None else descriptor(a, [cfg.block_m, width]),
+        m,
+        inter,
+        hidden,
+        float(gate_scale),
+        float(out_scale),
+        SAVED=int(kind),
+        CHUNK_=CHUNK,
+        DOT_PRECISION=dot_precision(dy.dtype),
+        **cfg.kernel_meta(),
+    )
+    return a

@@ -1,0 +1,143 @@
+"""Forward: x @ W_packed^T with the SwiGLU in the epilogue, one persistent TMA kernel.
+
+Each tile reads one contiguous [2*BN, BK] slab of the packed weight per step, so a single wide
+``tl.dot`` into one [BM, 2*BN] accumulator produces the up and gate columns of the same BN
+intermediate columns: x is loaded once for both projections. The epilogue de-interleaves the
+accumulator in registers and writes
+
+* ``a = out_scale * silu(gate_scale * gate) * up`` (``out_scale`` is the down multiplier: folding it
+  here makes both down-projection GEMMs plain ``mm`` calls), and, for training, one of
+* the factors ``[silu(g) | gate_scale * up * silu'(g)]`` (backward is two multiplies), or
+* the raw accumulator ``[up | gate]`` (backward recomputes the sigmoid; ``a`` need not be kept).
+
+The [M, 2I] pre-activation never reaches memory unless it is what is saved.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    CHUNK,
+    Saved,
+    descriptor,
+    dot_precision,
+    empty,
+    interpreting,
+    pack_columns,
+    persistent_programs,
+    silu_and_slope,
+    split_halves,
+    tile_coords,
+    unpack_columns,
+)
+from .configs import TileConfig, forward_config
+
+
+@triton.jit
+def _forward_epilogue(
+    b_acc,  # [BM, W] fp32, packed columns starting at packed column 2 * o_n
+    a_desc,
+    s_desc,
+    o_m,
+    o_n,
+    gate_scale,
+    out_scale,
+    SAVE: tl.constexpr,
+    BM: tl.constexpr,
+    W: tl.constexpr,
+    CHUNK_: tl.constexpr,
+):
+    b_up, b_gate = unpack_columns(b_acc, BM, W, CHUNK_)  # [BM, W/2] each
+    b_g = b_gate * gate_scale
+    b_silu, b_slope = silu_and_slope(b_g)
+    a_desc.store([o_m, o_n], (b_silu * b_up * out_scale).to(a_desc.dtype))
+    if SAVE == 1:
+        b_factors = pack_columns(b_silu, b_up * b_slope * gate_scale, BM, W, CHUNK_)
+        s_desc.store([o_m, 2 * o_n], b_factors.to(s_desc.dtype))
+    elif SAVE == 2:
+        s_desc.store([o_m, 2 * o_n], b_acc.to(s_desc.dtype))
+
+
+@triton.jit
+def _glu_forward_kernel(
+    x_desc,  # [M, K]
+    w_desc,  # [2N, K] packed
+    a_desc,  # [M, N]
+    s_desc,  # [M, 2N] packed, or None
+    M,
+    N,
+    K,
+    gate_scale,
+    out_scale,
+    SAVE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    CHUNK_: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
+        i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        o_m = i_m * BM
+        o_n = i_n * BN
+        b_acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        for i_k in range(num_k):
+            b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
+            b_w = w_desc.load([2 * o_n, i_k * BK])  # [2BN, BK]
+            b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
+        if EPI_SPLIT == 1:
+            _forward_epilogue(b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, 2 * BN, CHUNK_)
+        else:
+            # Two column halves, each still whole packed chunks: halves the epilogue's staging buffers.
+            b_lo, b_hi = split_halves(b_acc, BM, 2 * BN)
+            _forward_epilogue(b_lo, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, BN, CHUNK_)
+            _forward_epilogue(
+                b_hi, a_desc, s_desc, o_m, o_n + BN // 2, gate_scale, out_scale, SAVE, BM, BN, CHUNK_
+            )
+
+
+def glu_forward(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    *,
+    gate_scale: float,
+    out_scale: float,
+    save: Saved,
+    config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable.
+
+    Returns ``a`` [M, I] (scaled by ``out_scale``) and the saved packed [M, 2I] tensor (or ``None``).
+    """
+    m, hidden = x.shape
+    inter = w_packed.shape[0] // 2
+    cfg = config or forward_config(m, hidden, inter, x.dtype, on_gpu=not interpreting())
+    width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
+    a = empty((m, inter), x)
+    saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
+    _glu_forward_kernel[(persistent_programs(num_tiles, x.device),)](
+        descriptor(x, [cfg.block_m, cfg.block_k]),
+        descriptor(w_packed, [2 * cfg.block_n, cfg.block_k]),
+        descriptor(a, [cfg.block_m, width]),
+        None if saved is None else descriptor(saved, [cfg.block_m, 2 * width]),
+        m,
+        inter,
+        hidden,
+        float(gate_scale),
+        float(out_scale),
+        SAVE=int(save),
+        CHUNK_=CHUNK,
+        DOT_PRECISION=dot_precision(x.dtype),
+        **cfg.kernel_meta(),
+    )
+    return a, saved

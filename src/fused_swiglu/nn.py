@@ -1,0 +1,104 @@
+"""``SwiGLUMLP``: a drop-in replacement for Hugging Face ``LlamaMLP``-style modules.
+
+The module owns the packed gate/up parameter (the optimizer updates it packed; nothing is repacked
+per step) and ``down_proj`` as an ``nn.Linear``. Its ``state_dict`` speaks Hugging Face:
+``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``, so checkpoints load and save with no
+renaming; the packing happens in the state-dict hooks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .functional import DEFAULT_SAVE, SaveMode, check_save_mode, swiglu_mlp
+from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
+
+_GATE, _UP, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj"
+
+
+def _unpack_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    packed = state_dict.pop(prefix + _PACKED)
+    state_dict[prefix + _GATE], state_dict[prefix + _UP] = unpack_gate_up(packed.detach())
+
+
+def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    gate_key, up_key = prefix + _GATE, prefix + _UP
+    if gate_key in state_dict and up_key in state_dict:
+        state_dict[prefix + _PACKED] = pack_gate_up(state_dict.pop(gate_key), state_dict.pop(up_key))
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_multiplier * down_proj(silu(gate_multiplier * gate_proj(x)) * up_proj(x))``, fused.
+
+    Args:
+        hidden_size: model width ``H``.
+        intermediate_size: MLP width ``I`` (a multiple of 8).
+        save: training memory mode, ``"preact"`` (2I elements kept per token) or ``"factors"`` (3I);
+            may be changed on the instance at any time.
+        gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
+        device, dtype: of the parameters.
+
+    Parameters: ``gate_up_proj`` ``[2I, H]`` (packed, see :mod:`fused_swiglu.layout`) and
+    ``down_proj.weight`` ``[H, I]``, initialised like ``nn.Linear``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        save: SaveMode = DEFAULT_SAVE,
+        gate_multiplier: float = 1.0,
+        down_multiplier: float = 1.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_intermediate_size(intermediate_size)
+        check_save_mode(save)
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.save = save
+        self.gate_multiplier = gate_multiplier
+        self.down_multiplier = down_multiplier
+        factory = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+        self.reset_parameters()
+        self.register_state_dict_post_hook(_unpack_state_dict)
+        self.register_load_state_dict_pre_hook(_pack_state_dict)
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default; every packed row has fan-in hidden_size, as in the two separate Linears.
+        nn.init.kaiming_uniform_(self.gate_up_proj, a=math.sqrt(5))
+        self.down_proj.reset_parameters()
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module, **kwargs) -> SwiGLUMLP:
+        """Build from a module with ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` children
+        (e.g. ``LlamaMLP``), copying its weights. ``kwargs`` go to the constructor."""
+        inter, hidden = mlp.gate_proj.weight.shape
+        weight = mlp.gate_proj.weight
+        new = cls(hidden, inter, device=weight.device, dtype=weight.dtype, **kwargs)
+        new.load_state_dict(mlp.state_dict())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_mlp(
+            x,
+            self.gate_up_proj,
+            self.down_proj.weight,
+            gate_multiplier=self.gate_multiplier,
+            down_multiplier=self.down_multiplier,
+            save=self.save,
+        )
+
+    def extra_repr(self) -> str:
+        parts = [f"hidden_size={self.hidden_size}", f"intermediate_size={self.intermediate_size}"]
+        parts.append(f"save={self.save!r}")
+        if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
+            parts.append(f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}")
+        return ", ".join(parts)
