@@ -20,10 +20,16 @@ from .kernels.glu_forward import glu_forward
 
 
 def swiglu_mlp_no_grad(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, gate_multiplier: float, down_multiplier: float
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_multiplier: float,
+    down_multiplier: float,
 ) -> torch.Tensor:
     """Inference: only ``a`` [M, I] is allocated, nothing is saved."""
-    a, _ = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=Saved.NOTHING)
+    a, _ = glu_forward(
+        x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=Saved.NOTHING
+    )
     return torch.mm(a, w_down.t())
 
 

@@ -132,7 +132,9 @@ def swiglu_mlp(
             x.requires_grad or gate_up_weight.requires_grad or down_weight.requires_grad
         )
         if training:
-            y = SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, kind)
+            y = SwiGLUMLPFunction.apply(
+                x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, kind
+            )
         else:
             y = swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
     return y.reshape(*x.shape[:-1], hidden)

@@ -45,7 +45,9 @@ def reference_swiglu_mlp(
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The full MLP with separate weights, as Hugging Face ``LlamaMLP`` computes it."""
-    act = reference_swiglu(x, gate_weight, up_weight, gate_multiplier=gate_multiplier, compute_dtype=compute_dtype)
+    act = reference_swiglu(
+        x, gate_weight, up_weight, gate_multiplier=gate_multiplier, compute_dtype=compute_dtype
+    )
     y = F.linear(act, _cast(down_weight, compute_dtype))
     return y if down_multiplier == 1.0 else y * down_multiplier
 
@@ -75,6 +77,8 @@ def reference_swiglu_mlp_packed(
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The full MLP from the packed weight; the fallback path of the functional API."""
-    act = reference_swiglu_packed(x, gate_up_weight, gate_multiplier=gate_multiplier, compute_dtype=compute_dtype)
+    act = reference_swiglu_packed(
+        x, gate_up_weight, gate_multiplier=gate_multiplier, compute_dtype=compute_dtype
+    )
     y = F.linear(act, _cast(down_weight, compute_dtype))
     return y if down_multiplier == 1.0 else y * down_multiplier

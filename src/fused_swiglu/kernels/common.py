@@ -12,6 +12,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import CHUNK
 
+
 class Saved(enum.IntEnum):
     """What the forward kernel writes for the backward, besides its output."""
 
@@ -34,7 +35,7 @@ def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -51,7 +52,7 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if TMA can address it as is (unit last stride, 16-byte aligned base and rows), else a copy that can.
+    """``t`` if TMA can address it as is (unit last stride, 16-byte aligned base and rows), else a copy.
 
     Only the layout is fixed here; callers check beforehand that the row width itself is 16-byte aligned.
     """

@@ -99,7 +99,9 @@ def _glu_backward_kernel(
             _backward_epilogue(b_acc, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN, CHUNK_)
         else:
             b_lo, b_hi = split_halves(b_acc, BM, BN)
-            _backward_epilogue(b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN // 2, CHUNK_)
+            _backward_epilogue(
+                b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN // 2, CHUNK_
+            )
             _backward_epilogue(
                 b_hi, s_desc, a_desc, o_m, o_n + BN // 2, gate_scale, out_scale, SAVED, BM, BN // 2, CHUNK_
             )
@@ -115,7 +117,7 @@ def glu_backward_(
     kind: Saved,
     config: TileConfig | None = None,
 ) -> torch.Tensor | None:
-    """Overwrite ``saved`` [M, 2I] with the packed pre-activation gradient [dU | dG] (trailing ``_``: in place).
+    """Overwrite ``saved`` [M, 2I] with the packed pre-activation gradient [dU | dG], in place.
 
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable. Returns the recomputed
     ``out_scale * a`` [M, I] when ``kind`` is ``Saved.PREACT``, else ``None``.

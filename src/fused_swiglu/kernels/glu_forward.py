@@ -95,7 +95,9 @@ def _glu_forward_kernel(
             b_w = w_desc.load([2 * o_n, i_k * BK])  # [2BN, BK]
             b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
         if EPI_SPLIT == 1:
-            _forward_epilogue(b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, 2 * BN, CHUNK_)
+            _forward_epilogue(
+                b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, 2 * BN, CHUNK_
+            )
         else:
             # Two column halves, each still whole packed chunks: halves the epilogue's staging buffers.
             b_lo, b_hi = split_halves(b_acc, BM, 2 * BN)

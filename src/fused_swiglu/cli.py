@@ -1,0 +1,141 @@
+"""``python -m fused_swiglu check``: run the fused kernels, check them against the reference, time them.
+
+On a GPU it checks a realistic shape (default LLaMA-3-8B's MLP, 8192 tokens, bf16) and times the fused
+training step and inference forward beside eager PyTorch. Without a GPU it runs the same kernels
+under the Triton interpreter on a small problem, says so, and still checks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SAVES = ("factors", "preact")
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(args: argparse.Namespace) -> int:
+    # Imported late: Triton fixes interpreter mode when the kernels are defined.
+    from .functional import swiglu_mlp
+    from .reference import reference_swiglu_mlp
+    from .tables import format_table
+    from .testing import accuracy_rows, make_problem, oracle_step, run_eager_step, run_step
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    m, hidden, inter = args.shape or ((8192, 4096, 14336) if on_gpu else (96, 64, 136))
+    dtypes = (
+        [DTYPES[args.dtype]]
+        if args.dtype
+        else ([torch.bfloat16] if on_gpu else [torch.float32, torch.float16])
+    )
+    if on_gpu:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    else:
+        print(
+            "No CUDA device: running the real Triton kernels on CPU under the Triton interpreter "
+            "(TRITON_INTERPRET=1), on a small problem. Timings there are not meaningful and are skipped."
+        )
+    gm, dm = args.gate_multiplier, args.down_multiplier
+    print(f"shape: M={m} hidden={hidden} intermediate={inter}, gate_multiplier={gm}, down_multiplier={dm}\n")
+
+    all_ok = True
+    for dtype in dtypes:
+        problem = make_problem(
+            m, hidden, inter, dtype=dtype, device=device, gate_multiplier=gm, down_multiplier=dm
+        )
+        oracle = oracle_step(problem)
+        eager = run_eager_step(problem)
+        rows = []
+        for save in SAVES:
+
+            def fused(x, w, wd, save=save):
+                return swiglu_mlp(x, w, wd, gate_multiplier=gm, down_multiplier=dm, save=save)
+
+            for r in accuracy_rows(run_step(fused, problem), eager, oracle, dtype):
+                all_ok &= r.ok
+                rows.append(
+                    [
+                        save,
+                        r.name,
+                        r.fused,
+                        r.eager,
+                        r.fused / r.eager if r.eager else None,
+                        "ok" if r.ok else "FAIL",
+                    ]
+                )
+        print(f"accuracy, {str(dtype).removeprefix('torch.')}: relative error against the float64 reference")
+        print(format_table(["save", "tensor", "fused", "eager", "fused/eager", "within 2x eager"], rows))
+        print()
+        del oracle, eager
+        if on_gpu:
+            _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table)
+    print("check passed" if all_ok else "check FAILED: fused error above 2x eager's")
+    return 0 if all_ok else 1
+
+
+def _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table) -> None:
+    from triton.testing import do_bench
+
+    gm, dm = problem.gate_multiplier, problem.down_multiplier
+    x = problem.x.detach().requires_grad_()
+    w_gate_up = problem.w_gate_up.detach().requires_grad_()
+    w_gate = problem.w_gate.detach().requires_grad_()
+    w_up = problem.w_up.detach().requires_grad_()
+    w_down = problem.w_down.detach().requires_grad_()
+
+    def fused(save):
+        return lambda: swiglu_mlp(x, w_gate_up, w_down, gate_multiplier=gm, down_multiplier=dm, save=save)
+
+    def eager():
+        return reference_swiglu_mlp(x, w_gate, w_up, w_down, gate_multiplier=gm, down_multiplier=dm)
+
+    impls = {f"fused ({s})": fused(s) for s in SAVES} | {"eager PyTorch": eager}
+    rows = []
+    for name, forward in impls.items():
+
+        def step(forward=forward):
+            forward().backward(problem.dy)
+
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        step_ms = do_bench(step, return_mode="median", grad_to_none=[x, w_gate_up, w_gate, w_up, w_down])
+        with torch.no_grad():
+            fwd_ms = do_bench(forward, return_mode="median")
+        rows.append([name, step_ms, fwd_ms, first])
+    print("timings (median ms, CUDA events)")
+    print(format_table(["impl", "fwd+bwd", "no_grad fwd", "first call s"], rows))
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fused_swiglu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="check the fused kernels against the reference and time them")
+    check.add_argument("--shape", type=int, nargs=3, metavar=("M", "HIDDEN", "INTERMEDIATE"))
+    check.add_argument("--dtype", choices=sorted(DTYPES))
+    check.add_argument("--gate-multiplier", type=float, default=1.0)
+    check.add_argument("--down-multiplier", type=float, default=1.0)
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available() and not _interpreter_requested():
+        # Re-run with the interpreter on: Triton decides interpreter mode when kernels are defined,
+        # and importing this package has defined them already.
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        return subprocess.call(
+            [sys.executable, "-m", "fused_swiglu", *(argv if argv is not None else sys.argv[1:])], env=env
+        )
+    if args.command == "check":
+        return _check(args)
+    return 2

@@ -1,0 +1,65 @@
+"""Test setup: the device, the Triton interpreter on CPU, NaN-poisoned allocations, seeds.
+
+On a machine without CUDA the real kernels run under ``TRITON_INTERPRET=1``, which must be set before
+Triton decorates any kernel, so before ``fused_swiglu`` is imported.
+"""
+
+import os
+
+import pytest
+import torch
+from shapes import dtypes_for, shapes_for
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device the kernels run on (cpu means the Triton interpreter)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    device = torch.device(metafunc.config.getoption("--device"))
+    if "shape" in metafunc.fixturenames:
+        metafunc.parametrize("shape", shapes_for(device))
+    if "dtype" in metafunc.fixturenames:
+        metafunc.parametrize("dtype", dtypes_for(device), ids=lambda d: str(d).removeprefix("torch."))
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    return torch.device(request.config.getoption("--device"))
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = config.getoption("--device").startswith("cuda")
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if not on_gpu and ("gpu" in item.keywords or "large" in item.keywords):
+            item.add_marker(skip)
+
+
+def _poisoned(factory):
+    def make(*args, **kwargs):
+        t = factory(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        return t
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_allocations(monkeypatch):
+    """Every torch.empty is NaN-filled, so an element a kernel never writes fails the test."""
+    monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)

@@ -1,0 +1,171 @@
+"""swiglu_mlp end to end: training and inference paths, dispatch, fallback, and every error path."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import fused_swiglu.autograd as autograd_mod
+from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
+from fused_swiglu.kernels.common import Saved
+from fused_swiglu.testing import (
+    accuracy_rows,
+    make_problem,
+    oracle_step,
+    relative_error,
+    run_eager_step,
+    run_step,
+)
+
+MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.5, 2.0), id="mult0.5-2")]
+SAVES = ["factors", "preact"]
+
+
+@pytest.fixture
+def forward_saves(monkeypatch):
+    """Records the ``save`` argument of every fused forward launch (NOTHING means inference)."""
+    calls = []
+    real = autograd_mod.glu_forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["save"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autograd_mod, "glu_forward", spy)
+    return calls
+
+
+def fused(problem, save):
+    def fn(x, w_gate_up, w_down):
+        return swiglu_mlp(
+            x,
+            w_gate_up,
+            w_down,
+            gate_multiplier=problem.gate_multiplier,
+            down_multiplier=problem.down_multiplier,
+            save=save,
+        )
+
+    return fn
+
+
+@pytest.mark.parametrize("multipliers", MULTIPLIERS)
+@pytest.mark.parametrize("save", SAVES)
+def test_training_step_matches_reference(shape, dtype, device, save, multipliers, forward_saves):
+    p = make_problem(
+        *shape, dtype=dtype, device=device, gate_multiplier=multipliers[0], down_multiplier=multipliers[1]
+    )
+    rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), dtype)
+    failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
+    assert not failed, failed
+    assert forward_saves == [Saved[save.upper()]]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_inference_path_saves_nothing(device, mode, forward_saves):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device, gate_multiplier=0.5, down_multiplier=2.0)
+    w_gate_up = p.w_gate_up.requires_grad_(mode != "nothing_requires_grad")
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
+    with context():
+        y = swiglu_mlp(p.x, w_gate_up, p.w_down, gate_multiplier=0.5, down_multiplier=2.0)
+    assert y.grad_fn is None
+    assert forward_saves == [Saved.NOTHING]
+    expected = oracle_step(p)["out"]
+    assert relative_error(y, expected) < 1e-5
+
+
+def test_separate_gate_and_up_weights_get_their_own_gradients(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    w_gate = p.w_gate.clone().requires_grad_()
+    w_up = p.w_up.clone().requires_grad_()
+    y = swiglu_mlp(p.x, (w_gate, w_up), p.w_down)
+    y.backward(p.dy)
+    eager = run_eager_step(p)
+    expected_gate_up = eager["dw_gate_up"]
+    assert relative_error(y, eager["out"]) < 1e-5
+    assert relative_error(pack_gate_up(w_gate.grad, w_up.grad), expected_gate_up) < 1e-5
+
+
+def test_leading_dims_and_non_contiguous_input(device):
+    p = make_problem(24, 40, 72, dtype=torch.float32, device=device)
+    # [40, 2, 12] transposed to [2, 12, 40]: last dim has stride 24, so it must be copied for TMA.
+    x = p.x.reshape(2, 12, 40).permute(2, 0, 1).contiguous().permute(1, 2, 0).requires_grad_()
+    w_gate_up = p.w_gate_up.requires_grad_()
+    y = swiglu_mlp(x, w_gate_up, p.w_down)
+    assert y.shape == (2, 12, 40)
+    y.sum().backward()  # an expanded (stride 0) dy
+    expected = oracle_step(dataclasses.replace(p, dy=torch.ones_like(p.dy)))
+    assert relative_error(y.reshape(24, 40), expected["out"]) < 1e-5
+    assert relative_error(x.grad.reshape(24, 40), expected["dx"]) < 1e-5
+    assert relative_error(w_gate_up.grad, expected["dw_gate_up"]) < 1e-5
+
+
+def test_only_weights_require_grad(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    w_down = p.w_down.requires_grad_()
+    swiglu_mlp(p.x, p.w_gate_up, w_down).backward(p.dy)
+    assert relative_error(w_down.grad, oracle_step(p)["dw_down"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "hidden, fallback_dtype",
+    [
+        pytest.param(12, torch.float16, id="rows-not-16-byte-aligned"),
+        pytest.param(40, torch.float64, id="float64"),
+    ],
+)
+def test_reference_fallback_is_correct(device, hidden, fallback_dtype, forward_saves):
+    p = make_problem(37, hidden, 72, dtype=fallback_dtype, device=device)
+    assert not fused_path_available(p.x, p.w_gate_up, p.w_down)
+    got = run_step(fused(p, "preact"), p)
+    want = oracle_step(p)
+    assert forward_saves == []
+    for name in got:
+        assert relative_error(got[name], want[name]) < 2e-3, name
+
+
+def test_fused_path_is_taken_where_supported(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    assert fused_path_available(p.x, p.w_gate_up, p.w_down)
+
+
+def test_second_backward_raises(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.requires_grad_()
+    y = swiglu_mlp(x, p.w_gate_up, p.w_down)
+    y.backward(p.dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="already walked backward"):
+        y.backward(p.dy)
+
+
+def test_create_graph_raises(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.requires_grad_()
+    y = swiglu_mlp(x, p.w_gate_up, p.w_down)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(y, x, p.dy, create_graph=True)
+
+
+def _bad_calls():
+    x, wp, wd = torch.randn(4, 16), torch.randn(32, 16), torch.randn(16, 16)
+    return [
+        pytest.param((x.half(), wp, wd), {}, TypeError, "dtype", id="dtype-mismatch"),
+        pytest.param((x.long(), wp.long(), wd.long()), {}, TypeError, "floating", id="integer-input"),
+        pytest.param((x, wp.to("meta"), wd), {}, ValueError, "device", id="device-mismatch"),
+        pytest.param((torch.randn(4, 8), wp, wd), {}, ValueError, "last dim", id="hidden-mismatch"),
+        pytest.param((x, torch.randn(24, 16), wd), {}, ValueError, "needs", id="packed-shape"),
+        pytest.param((x, wp, torch.randn(16, 12)), {}, ValueError, "needs", id="down-shape"),
+        pytest.param((x, wp.reshape(2, 16, 16), wd), {}, ValueError, "expected x", id="packed-not-2d"),
+        pytest.param((x, (wp,), wd), {}, ValueError, "pair", id="one-weight-tuple"),
+        pytest.param((x, wp, wd), {"save": "everything"}, ValueError, "save", id="bad-save-mode"),
+        pytest.param(
+            (x, wp, wd), {"gate_multiplier": "2"}, TypeError, "gate_multiplier", id="bad-multiplier"
+        ),
+        pytest.param((x, wp, wd.numpy()), {}, TypeError, "down_weight", id="not-a-tensor"),
+    ]
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", _bad_calls())
+def test_bad_input_raises(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        swiglu_mlp(*args, **kwargs)

@@ -1,0 +1,88 @@
+"""The two kernel launchers against formulas in float64, with eager PyTorch's same-dtype error as the bar."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fused_swiglu.kernels.common import Saved
+from fused_swiglu.kernels.glu_backward import glu_backward_
+from fused_swiglu.kernels.glu_forward import glu_forward
+from fused_swiglu.layout import split_packed_columns
+from fused_swiglu.testing import make_problem, relative_error, unit_roundoff
+
+MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id="mult0.7-1.3")]
+
+
+def swiglu_terms(x, w_gate, w_up, gm):
+    """silu(g), u * silu'(g) * gm, u, g for g = gm * x @ Wg^T, computed in x's dtype (eager)."""
+    g = gm * (x @ w_gate.t())
+    u = x @ w_up.t()
+    s = torch.sigmoid(g)
+    return F.silu(g), u * s * (1 + g * (1 - s)) * gm, u, g
+
+
+def assert_like_eager(fused, eager, exact, dtype, what):
+    fused_err, eager_err = relative_error(fused, exact), relative_error(eager, exact)
+    assert fused_err <= 2 * eager_err + unit_roundoff(dtype), (
+        f"{what}: {fused_err:.3e} vs eager {eager_err:.3e}"
+    )
+
+
+@pytest.mark.parametrize("multipliers", MULTIPLIERS)
+@pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_forward_kernel(shape, dtype, device, save, multipliers):
+    gm, dm = multipliers
+    p = make_problem(*shape, dtype=dtype, device=device)
+    a, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=save)
+
+    silu64, fgate64, u64, g64 = swiglu_terms(p.x.double(), p.w_gate.double(), p.w_up.double(), gm)
+    silu, fgate, u, g = swiglu_terms(p.x, p.w_gate, p.w_up, gm)
+    assert_like_eager(a, dm * silu * u, dm * silu64 * u64, dtype, "a")
+    if save == Saved.NOTHING:
+        assert saved is None
+        return
+    first, second = split_packed_columns(saved)
+    if save == Saved.FACTORS:
+        assert_like_eager(first, silu, silu64, dtype, "silu(g)")
+        assert_like_eager(second, fgate, fgate64, dtype, "gm * u * silu'(g)")
+    else:
+        assert_like_eager(first, u, u64, dtype, "u")
+        assert_like_eager(second, g / gm, g64 / gm, dtype, "x @ Wg^T")
+
+
+@pytest.mark.parametrize("multipliers", MULTIPLIERS)
+@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, kind, multipliers):
+    gm, dm = multipliers
+    p = make_problem(*shape, dtype=dtype, device=device)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=kind)
+    # The exact gradient of the saved (rounded) tensors, so only the backward kernel's error is measured.
+    first, second = (t.double() for t in split_packed_columns(saved))
+    if kind == Saved.FACTORS:
+        silu64, fgate64 = first, second
+        a64 = None
+    else:
+        u64, g64 = first, gm * second
+        s64 = torch.sigmoid(g64)
+        silu64, fgate64 = g64 * s64, u64 * s64 * (1 + g64 * (1 - s64)) * gm
+        a64 = dm * silu64 * u64
+    da64 = dm * p.dy.double() @ p.w_down.double()
+    da = dm * p.dy @ p.w_down  # eager rounds dA to the dtype before the multiplies
+    eager_first, eager_second = (t.to(dtype) for t in (silu64, fgate64))
+
+    recomputed = glu_backward_(p.dy, p.w_down, saved, gate_scale=gm, out_scale=dm, kind=kind)
+
+    d_up, d_gate = split_packed_columns(saved)
+    assert_like_eager(d_up, da * eager_first, da64 * silu64, dtype, "dU")
+    assert_like_eager(d_gate, da * eager_second, da64 * fgate64, dtype, "dG")
+    if kind == Saved.FACTORS:
+        assert recomputed is None
+    else:
+        eager_a = (dm * silu64 * u64).to(dtype)
+        assert_like_eager(recomputed, eager_a, a64, dtype, "recomputed a")
+
+
+def test_backward_kernel_needs_something_saved(device):
+    p = make_problem(4, 16, 16, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="saved"):
+        glu_backward_(p.dy, p.w_down, torch.zeros(4, 32), gate_scale=1.0, out_scale=1.0, kind=Saved.NOTHING)
