@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_swiglu.kernels.common import Saved
+from fused_swiglu.kernels.configs import TileConfig
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.layout import split_packed_columns
@@ -86,3 +87,31 @@ def test_backward_kernel_needs_something_saved(device):
     p = make_problem(4, 16, 16, dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="saved"):
         glu_backward_(p.dy, p.w_down, torch.zeros(4, 32), gate_scale=1.0, out_scale=1.0, kind=Saved.NOTHING)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(
+            TileConfig(16, 16, 16, group_m=2, num_stages=1, prefetch_saved=True), id="prefetch-split2"
+        ),
+        pytest.param(
+            TileConfig(16, 16, 16, num_stages=1, epilogue_split=1, prefetch_saved=True), id="prefetch-split1"
+        ),
+        pytest.param(TileConfig(32, 16, 16, num_stages=1, epilogue_split=1), id="tma-split1"),
+        pytest.param(TileConfig(16, 32, 16, group_m=1, num_stages=1, flatten=True), id="tma-flatten"),
+    ],
+)
+@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_backward_kernel_variants_agree(device, kind, config):
+    """Every way of reaching the saved tile gives the default config's result (interpreter tiles)."""
+    if device.type == "cuda":
+        pytest.skip("interpreter-sized tiles")
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
+    expected = saved.clone()
+    a_expected = glu_backward_(p.dy, p.w_down, expected, gate_scale=0.7, out_scale=1.3, kind=kind)
+    a = glu_backward_(p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, kind=kind, config=config)
+    assert relative_error(saved, expected) < 1e-6
+    if kind == Saved.PREACT:
+        assert relative_error(a, a_expected) < 1e-6
