@@ -54,8 +54,9 @@ def bench(fn, reps: int) -> float:
 
 
 def label(cfg: TileConfig) -> str:
-    s = f"{cfg.block_m}x{2 * cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} e{cfg.epilogue_split}"
-    return s + (" flat" if cfg.flatten else "") + (" prefetch" if cfg.prefetch_saved else "")
+    s = f"{cfg.block_m}x{2 * cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    s += f" e{cfg.epilogue_split}" + (" flat" if cfg.flatten else "")
+    return s + (" prefetch" if cfg.prefetch_saved else "")
 
 
 def attempt(row: dict, fn) -> None:

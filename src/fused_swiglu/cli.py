@@ -127,7 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--dtype", choices=sorted(DTYPES))
     check.add_argument("--gate-multiplier", type=float, default=1.0)
     check.add_argument("--down-multiplier", type=float, default=1.0)
+    from .bench.run import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark against peers and the GEMM-only floor (GPU)")
+    add_bench_arguments(bench)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench.run import run as run_bench
+
+        return run_bench(args)
 
     if not torch.cuda.is_available() and not _interpreter_requested():
         # Re-run with the interpreter on: Triton decides interpreter mode when kernels are defined,

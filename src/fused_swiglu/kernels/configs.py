@@ -70,7 +70,7 @@ def forward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: 
     block_k = 64 if dtype.itemsize == 2 else 32
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3)
+    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3, flatten=True)
 
 
 def backward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
@@ -80,4 +80,4 @@ def backward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu:
     block_k = 64 if dtype.itemsize == 2 else 32
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3)
+    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3, flatten=True)

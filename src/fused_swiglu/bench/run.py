@@ -1,0 +1,94 @@
+"""The ``bench`` command: measure, print, and write JSON, Markdown and plots."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .coldstart import cold_start_seconds
+from .impls import IMPL_NAMES
+from .measure import measure_shape
+from .report import provenance, shape_table, write_json, write_markdown, write_plots
+
+SHAPES = {
+    "llama3-8b": (8192, 4096, 14336),
+    "qwen2.5-7b": (8192, 3584, 18944),
+    "seed-11136": (11136, 3584, 14336),
+    "llama2-7b": (4096, 4096, 11008),
+    "qwen2.5-0.5b": (16384, 896, 4864),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        default=list(SHAPES),
+        choices=list(SHAPES),
+        metavar="NAME",
+        help=f"named shapes (default: all of {', '.join(SHAPES)})",
+    )
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("M", "HIDDEN", "INTER"),
+        help="an extra shape; repeatable",
+    )
+    parser.add_argument(
+        "--impls",
+        nargs="*",
+        default=list(IMPL_NAMES),
+        choices=list(IMPL_NAMES),
+        metavar="IMPL",
+        help=f"implementations (default: all of {', '.join(IMPL_NAMES)})",
+    )
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per metric")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    parser.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="also time a new shape's first call in fresh processes (empty, then warm kernel cache)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU (use `python -m fused_swiglu check` to check the kernels on CPU)")
+        return 2
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    shapes.update({f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape})
+    meta = provenance(args.commit)
+    print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit'][:12]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    extra_json: dict = {}
+    extra_md: list[str] = []
+    for name, (m, h, i) in shapes.items():
+        print(f"\n{name}: M={m} hidden={h} intermediate={i}", flush=True)
+        results[name] = measure_shape(m, h, i, args.impls, reps=args.reps, log=lambda s: print(s, flush=True))
+        print(shape_table(results[name]), flush=True)
+        write_json(args.out / "results.json", meta, results, extra_json)
+    if args.cold_start:
+        name, (m, h, i) = next(iter(shapes.items()))
+        cold, warm = cold_start_seconds(m, h, i, "preact")
+        extra_json["cold_start"] = {"shape": name, "empty_cache_s": cold, "reused_cache_s": warm}
+        line = (
+            f"First fwd+bwd of a new shape ({name}) in a fresh process: {cold:.2f} s with an empty "
+            f"Triton cache, {warm:.2f} s in a second process reusing it (process start excluded)."
+        )
+        extra_md += [line, ""]
+        print("\n" + line)
+    write_json(args.out / "results.json", meta, results, extra_json)
+    write_markdown(args.out / "results.md", meta, results, extra_md)
+    written = [args.out / "results.json", args.out / "results.md"]
+    if not args.no_plots:
+        written += write_plots(args.out, results)
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
