@@ -40,10 +40,10 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def persistent_programs(num_tiles: int, device: torch.device) -> int:
-    """One program per multiprocessor, never more than there are tiles."""
+def persistent_programs(num_tiles: int, device: torch.device, per_sm: int = 1) -> int:
+    """``per_sm`` programs per multiprocessor, never more than there are tiles."""
     if device.type == "cuda":
-        return max(1, min(num_tiles, _sm_count(device.index if device.index is not None else 0)))
+        return max(1, min(num_tiles, per_sm * _sm_count(device.index if device.index is not None else 0)))
     return max(1, min(num_tiles, INTERPRETER_PROGRAMS))
 
 

@@ -30,9 +30,9 @@ class TileConfig:
     epilogue_split: int = 2
     # Pipeline across tiles of the persistent loop (overlaps an epilogue with the next tile's loads).
     flatten: bool = False
-    # Backward only: fetch the saved tile with plain loads before the main loop (hides its latency
-    # behind the GEMM, at the cost of holding it in registers) instead of a TMA load after it.
-    prefetch_saved: bool = False
+    # Resident programs per multiprocessor: with 2, one program's epilogue overlaps the other's
+    # main loop (needs at most half the shared memory each).
+    ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "epilogue_split"):

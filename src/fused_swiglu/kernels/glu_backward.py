@@ -35,7 +35,6 @@ from .configs import TileConfig, backward_config
 @triton.jit
 def _backward_epilogue(
     b_da,  # [BM, W] fp32: d loss / d a for intermediate columns [o_n, o_n + W)
-    b_saved,  # [BM, 2W] packed saved tensor of the same rows and columns, or None: load it here
     s_desc,
     a_desc,
     o_m,
@@ -47,9 +46,7 @@ def _backward_epilogue(
     W: tl.constexpr,
     CHUNK_: tl.constexpr,
 ):
-    if b_saved is None:
-        b_saved = s_desc.load([o_m, 2 * o_n])
-    b_first, b_second = unpack_columns(b_saved.to(tl.float32), BM, 2 * W, CHUNK_)
+    b_first, b_second = unpack_columns(s_desc.load([o_m, 2 * o_n]).to(tl.float32), BM, 2 * W, CHUNK_)
     if SAVED == 1:
         # Saved factors: silu(g) and gate_scale * u * silu'(g). Two multiplies, no sigmoid.
         b_dup = b_da * b_first
@@ -69,8 +66,6 @@ def _glu_backward_kernel(
     dy_desc,  # [M, K]: grad of y, K = hidden
     wd_desc,  # [K, N]: W_down
     s_desc,  # [M, 2N] packed: saved tensor in, packed gradient out
-    s_ptr,  # the same tensor, for the prefetching loads
-    stride_s,
     a_desc,  # [M, N] recomputed a (SAVED == 2), else None
     M,
     N,
@@ -84,7 +79,6 @@ def _glu_backward_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
-    PREFETCH: tl.constexpr,
     CHUNK_: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -95,16 +89,6 @@ def _glu_backward_kernel(
         i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
         o_m = i_m * BM
         o_n = i_n * BN
-        if PREFETCH:
-            # Plain loads do not block until first use, so the saved tile streams into registers
-            # while the main loop runs, instead of stalling the epilogue.
-            o_rows = o_m + tl.arange(0, BM)
-            o_cols = 2 * o_n + tl.arange(0, 2 * BN)
-            p_s = s_ptr + o_rows[:, None].to(tl.int64) * stride_s + o_cols[None, :]
-            m_s = (o_rows[:, None] < M) & (o_cols[None, :] < 2 * N)
-            b_saved = tl.load(p_s, mask=m_s, other=0.0)  # [BM, 2BN]
-        else:
-            b_saved = None
         b_acc = tl.zeros((BM, BN), dtype=tl.float32)
         for i_k in range(num_k):
             b_dy = dy_desc.load([o_m, i_k * BK])  # [BM, BK]
@@ -112,23 +96,14 @@ def _glu_backward_kernel(
             b_acc = tl.dot(b_dy, b_wd, b_acc, input_precision=DOT_PRECISION)
         b_acc = b_acc * out_scale  # y carries the down multiplier, so dA does too
         if EPI_SPLIT == 1:
-            _backward_epilogue(
-                b_acc, b_saved, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN, CHUNK_
-            )
+            _backward_epilogue(b_acc, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN, CHUNK_)
         else:
+            # Two column halves, each whole packed chunks: halves the epilogue's staging buffers.
             b_lo, b_hi = split_halves(b_acc, BM, BN)
-            if PREFETCH:
-                b_saved_lo, b_saved_hi = split_halves(b_saved, BM, 2 * BN)
-            else:
-                b_saved_lo = None
-                b_saved_hi = None
             W: tl.constexpr = BN // 2
+            _backward_epilogue(b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_)
             _backward_epilogue(
-                b_lo, b_saved_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
-            )
-            o_hi = o_n + W
-            _backward_epilogue(
-                b_hi, b_saved_hi, s_desc, a_desc, o_m, o_hi, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                b_hi, s_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
             )
 
 
@@ -155,12 +130,10 @@ def glu_backward_(
     width = cfg.block_n // cfg.epilogue_split
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
-    _glu_backward_kernel[(persistent_programs(num_tiles, dy.device),)](
+    _glu_backward_kernel[(persistent_programs(num_tiles, dy.device, cfg.ctas_per_sm),)](
         descriptor(dy, [cfg.block_m, cfg.block_k]),
         descriptor(w_down, [cfg.block_k, cfg.block_n]),
         descriptor(saved, [cfg.block_m, 2 * width]),
-        saved,
-        saved.stride(0),
         None if a is None else descriptor(a, [cfg.block_m, width]),
         m,
         inter,
@@ -168,7 +141,6 @@ def glu_backward_(
         float(gate_scale),
         float(out_scale),
         SAVED=int(kind),
-        PREFETCH=cfg.prefetch_saved,
         CHUNK_=CHUNK,
         DOT_PRECISION=dot_precision(dy.dtype),
         **cfg.kernel_meta(),

@@ -127,7 +127,7 @@ def glu_forward(
     a = empty((m, inter), x)
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
-    _glu_forward_kernel[(persistent_programs(num_tiles, x.device),)](
+    _glu_forward_kernel[(persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),)](
         descriptor(x, [cfg.block_m, cfg.block_k]),
         descriptor(w_packed, [2 * cfg.block_n, cfg.block_k]),
         descriptor(a, [cfg.block_m, width]),
