@@ -36,16 +36,16 @@ SHAPES = {
 C = TileConfig
 FORWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
-    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=1, flatten=True),
-    C(128, 64, 32, num_warps=4, num_stages=4, epilogue_split=2, flatten=True, ctas_per_sm=2),
-    C(64, 128, 32, num_warps=4, num_stages=4, epilogue_split=2, flatten=True, ctas_per_sm=2),
+    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, warp_specialize=True),
+    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True, warp_specialize=True),
+    C(128, 128, 64, num_warps=4, num_stages=3, epilogue_split=2, warp_specialize=True),
 ]
 BACKWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
-    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=1, flatten=True),
-    C(64, 128, 64, num_warps=4, num_stages=3, epilogue_split=2, flatten=True, ctas_per_sm=2),
-    C(64, 128, 32, num_warps=4, num_stages=4, epilogue_split=2, flatten=True, ctas_per_sm=2),
-    C(128, 64, 32, num_warps=4, num_stages=4, epilogue_split=2, flatten=True, ctas_per_sm=2),
+    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, warp_specialize=True),
+    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True, warp_specialize=True),
+    C(128, 128, 64, num_warps=4, num_stages=3, epilogue_split=2, warp_specialize=True),
+    C(128, 64, 64, num_warps=4, num_stages=4, epilogue_split=1, warp_specialize=True),
 ]
 
 
@@ -56,6 +56,7 @@ def bench(fn, reps: int) -> float:
 def label(cfg: TileConfig) -> str:
     s = f"{cfg.block_m}x{2 * cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     s += f" e{cfg.epilogue_split}" + (" flat" if cfg.flatten else "")
+    s += " ws" if cfg.warp_specialize else ""
     return s + (f" x{cfg.ctas_per_sm}/SM" if cfg.ctas_per_sm > 1 else "")
 
 

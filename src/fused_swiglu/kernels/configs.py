@@ -33,6 +33,8 @@ class TileConfig:
     # Resident programs per multiprocessor: with 2, one program's epilogue overlaps the other's
     # main loop (needs at most half the shared memory each).
     ctas_per_sm: int = 1
+    # Let Triton split loads and math into producer/consumer warps (Hopper and newer).
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "epilogue_split"):
@@ -53,6 +55,7 @@ class TileConfig:
             "GROUP_M": self.group_m,
             "EPI_SPLIT": self.epilogue_split,
             "FLATTEN": self.flatten,
+            "WARP_SPECIALIZE": self.warp_specialize,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
