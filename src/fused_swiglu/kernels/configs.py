@@ -8,11 +8,13 @@ choice is a pure function of (M bucket, hidden, intermediate, dtype), measured o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..layout import CHUNK
+from .common import Saved
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,6 @@ class TileConfig:
     # Resident programs per multiprocessor: with 2, one program's epilogue overlaps the other's
     # main loop (needs at most half the shared memory each).
     ctas_per_sm: int = 1
-    # Let Triton split loads and math into producer/consumer warps (Hopper and newer).
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "epilogue_split"):
@@ -55,7 +55,6 @@ class TileConfig:
             "GROUP_M": self.group_m,
             "EPI_SPLIT": self.epilogue_split,
             "FLATTEN": self.flatten,
-            "WARP_SPECIALIZE": self.warp_specialize,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
@@ -66,21 +65,37 @@ class TileConfig:
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
-def forward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
-    """Tile of the gate/up GEMM + SwiGLU kernel for x [m, hidden] and a packed [2 * inter, hidden] weight."""
+@functools.lru_cache(maxsize=256)
+def forward_config(
+    m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool, save: Saved = Saved.NOTHING
+) -> TileConfig:
+    """Tile of the gate/up GEMM + SwiGLU kernel for x [m, hidden] and a packed [2 * inter, hidden] weight.
+
+    Measured on an H200 (docs/benchmarks/NOTES.md): the [128, 256] tile with 3 stages and a flattened
+    persistent loop is within 1-5% of cuBLAS on the plain GEMM at 7-8B shapes. Inference stores only
+    ``a``, whose whole staging tile fits beside the three pipeline stages; training also stores the
+    [128, 256] saved tile, so its epilogue goes out in two halves to stay inside shared memory.
+    """
     if not on_gpu:
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
-    if m <= 64:
+    if m <= 64:  # decode-sized batches: not tuned yet
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3, flatten=True)
+    split = 1 if save == Saved.NOTHING else 2
+    return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=split, flatten=True)
 
 
+@functools.lru_cache(maxsize=256)
 def backward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
-    """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``)."""
+    """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``).
+
+    Same tile as the forward; the epilogue loads and stores the [128, 256] saved tile in two halves.
+    Two programs per SM, smaller tiles, a register prefetch of the saved tile and Triton's warp
+    specialization were all measured and were no faster (docs/benchmarks/NOTES.md).
+    """
     if not on_gpu:
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3, flatten=True)
+    return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=2, flatten=True)

@@ -79,16 +79,13 @@ def _glu_backward_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
     CHUNK_: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     num_k = tl.cdiv(K, BK)
-    for tile in tl.range(
-        tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
         o_m = i_m * BM
         o_n = i_n * BN
