@@ -1,16 +1,19 @@
 """fused-swiglu: Triton kernels for the SwiGLU MLP of LLaMA/Mistral/Qwen-class models."""
 
-from .functional import fused_path_available, swiglu_mlp
+from .functional import fused_path_available, swiglu_linear, swiglu_mlp
 from .layout import CHUNK, pack_gate_up, unpack_gate_up
-from .nn import SwiGLUMLP
-from .reference import reference_swiglu_mlp
+from .nn import SwiGLULinear, SwiGLUMLP
+from .reference import reference_swiglu, reference_swiglu_mlp
 
 __all__ = [
     "CHUNK",
+    "SwiGLULinear",
     "SwiGLUMLP",
     "fused_path_available",
     "pack_gate_up",
+    "reference_swiglu",
     "reference_swiglu_mlp",
+    "swiglu_linear",
     "swiglu_mlp",
     "unpack_gate_up",
 ]

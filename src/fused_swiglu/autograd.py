@@ -1,13 +1,14 @@
-"""Training and inference paths of the fused MLP over 2-D, TMA-ready tensors.
+"""Training and inference paths of the fused operators over 2-D, TMA-ready tensors.
 
 What is kept between forward and backward, per token (x and the weights not counted):
 
-* ``Saved.FACTORS``: [silu(g) | gate_multiplier * u * silu'(g)] (2I) and a (I) = 3I elements;
-* ``Saved.PREACT``: [u | g] (2I) elements; the backward recomputes the sigmoid and ``a``.
+* ``"factors"``: [silu(g) | gate_multiplier * u * silu'(g)] (2I), plus a (I) for the MLP's dW_down;
+* ``"preact"``: [u | g] (2I); the MLP backward recomputes the sigmoid and ``a``;
+* ``"recompute"``: nothing; the backward first re-runs the fused gate/up GEMM (one more GEMM).
 
 The backward overwrites the saved packed tensor with the packed pre-activation gradient, so a graph
-can be walked backward exactly once; a second walk (``retain_graph=True``) or a differentiable one
-(``create_graph=True``) raises instead of reading overwritten memory.
+that kept one can be walked backward exactly once; a second walk (``retain_graph=True``) raises
+instead of reading overwritten memory. Double backward (``create_graph=True``) is not supported.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 from .kernels.common import Saved, tma_ready
 from .kernels.glu_backward import glu_backward_
 from .kernels.glu_forward import glu_forward
+from .kernels.glu_grad import glu_grad_
+
+#: What the forward kernel writes in training, per save mode.
+KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
 
 
 def swiglu_mlp_no_grad(
@@ -33,18 +38,19 @@ def swiglu_mlp_no_grad(
     return torch.mm(a, w_down.t())
 
 
-def _claim_saved_buffers(ctx) -> None:
+def _start_backward(ctx) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError(
-            "fused_swiglu: create_graph=True (double backward) is not supported: the backward overwrites "
-            "its saved activations in place. Use the reference implementation "
-            "(fused_swiglu.reference) for higher-order gradients."
+            "fused_swiglu: create_graph=True (double backward) is not supported: the backward is not "
+            "differentiable. Use fused_swiglu.reference for higher-order gradients."
         )
+    if ctx.kept == Saved.NOTHING:
+        return  # recompute mode: the saved inputs are untouched, walking again is fine
     if ctx.saved_buffers_consumed:
         raise RuntimeError(
             "fused_swiglu: this graph was already walked backward once. Its saved activations were "
             "overwritten in place by that backward, so a second backward (retain_graph=True) would be "
-            "wrong. Run the forward again instead."
+            "wrong. Run the forward again, or use save='recompute', which keeps nothing to overwrite."
         )
     ctx.saved_buffers_consumed = True
 
@@ -53,31 +59,37 @@ class SwiGLUMLPFunction(torch.autograd.Function):
     """y = down_multiplier * (silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)) @ Wd^T, weights packed."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, save: Saved):
-        a, saved = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=save)
+    def forward(ctx, x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, save: str):
+        kept = KEPT[save]
+        a, saved = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=kept)
         y = torch.mm(a, w_down.t())
         # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
-        ctx.save_for_backward(x, w_gate_up, w_down, saved, a if save == Saved.FACTORS else None)
-        ctx.gate_multiplier = gate_multiplier
-        ctx.down_multiplier = down_multiplier
-        ctx.saved_kind = save
+        ctx.save_for_backward(x, w_gate_up, w_down, saved, a if kept == Saved.FACTORS else None)
+        ctx.gate_multiplier, ctx.down_multiplier = gate_multiplier, down_multiplier
+        ctx.kept = kept
         ctx.saved_buffers_consumed = False
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        _claim_saved_buffers(ctx)
+        _start_backward(ctx)
         x, w_gate_up, w_down, grad_gate_up, a = ctx.saved_tensors
         need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
-        # dy may be an expanded or otherwise strided view (e.g. from y.sum()).
-        dy = tma_ready(dy)
+        kind = ctx.kept
+        if kind == Saved.NOTHING:
+            # Factors rather than pre-activations: the forward kernel writes a and the factors at the
+            # cost of one, and the factors make the backward epilogue cheaper.
+            a, grad_gate_up = glu_forward(
+                x,
+                w_gate_up,
+                gate_scale=ctx.gate_multiplier,
+                out_scale=ctx.down_multiplier,
+                save=Saved.FACTORS,
+            )
+            kind = Saved.FACTORS
+        dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
         recomputed = glu_backward_(
-            dy,
-            w_down,
-            grad_gate_up,
-            gate_scale=ctx.gate_multiplier,
-            out_scale=ctx.down_multiplier,
-            kind=ctx.saved_kind,
+            dy, w_down, grad_gate_up, gate_scale=ctx.gate_multiplier, out_scale=ctx.down_multiplier, kind=kind
         )
         # From here on grad_gate_up holds [dU | dG] in packed column order.
         dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
@@ -85,3 +97,30 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
         dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw_gate_up else None
         return dx, dw_gate_up, dw_down, None, None, None
+
+
+class SwiGLULinearFunction(torch.autograd.Function):
+    """a = silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T) from the packed weight: the GLU half alone."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, gate_multiplier: float, save: str):
+        kept = KEPT[save]
+        a, factors = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
+        ctx.save_for_backward(x, w_gate_up, factors)
+        ctx.gate_multiplier = gate_multiplier
+        ctx.kept = kept
+        ctx.saved_buffers_consumed = False
+        return a
+
+    @staticmethod
+    def backward(ctx, da):
+        _start_backward(ctx)
+        x, w_gate_up, factors = ctx.saved_tensors
+        if ctx.kept == Saved.NOTHING:
+            _, factors = glu_forward(
+                x, w_gate_up, gate_scale=ctx.gate_multiplier, out_scale=1.0, save=Saved.FACTORS
+            )
+        grad_gate_up = glu_grad_(da.contiguous(), factors)  # in place: factors become [dU | dG]
+        dx = torch.mm(grad_gate_up, w_gate_up) if ctx.needs_input_grad[0] else None
+        dw_gate_up = torch.mm(grad_gate_up.t(), x) if ctx.needs_input_grad[1] else None
+        return dx, dw_gate_up, None, None

@@ -8,25 +8,30 @@ from typing import Literal
 
 import torch
 
-from .autograd import SwiGLUMLPFunction, swiglu_mlp_no_grad
+from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction, swiglu_mlp_no_grad
 from .kernels.common import Saved, interpreting, tma_ready
+from .kernels.glu_forward import glu_forward
 from .layout import check_intermediate_size, pack_gate_up
-from .reference import reference_swiglu_mlp_packed
+from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 
-SaveMode = Literal["factors", "preact"]
-SAVE_MODES: dict[str, Saved] = {"factors": Saved.FACTORS, "preact": Saved.PREACT}
+SaveMode = Literal["factors", "preact", "recompute"]
+MLP_SAVE_MODES = ("preact", "factors", "recompute")
+# The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
+LINEAR_SAVE_MODES = ("factors", "recompute")
 DEFAULT_SAVE: SaveMode = "preact"
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_save_mode(save: str) -> Saved:
-    if save not in SAVE_MODES:
-        raise ValueError(f"save must be one of {sorted(SAVE_MODES)}, got {save!r}")
-    return SAVE_MODES[save]
+def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str:
+    if save not in allowed:
+        raise ValueError(f"save must be one of {list(allowed)}, got {save!r}")
+    return save
 
 
-def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
+def fused_path_available(
+    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor | None = None
+) -> bool:
     """Whether the fused kernels can run on these (already validated) tensors.
 
     They need fp16/bf16/fp32 on a CUDA device with TMA (compute capability 9.0+), or CPU tensors under
@@ -40,7 +45,7 @@ def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor, down_wei
     elif not (x.device.type == "cpu" and interpreting()):
         return False
     hidden = x.shape[-1]
-    inter = down_weight.shape[1]
+    inter = gate_up_weight.shape[0] // 2
     return (hidden * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0
 
 
@@ -50,36 +55,51 @@ def _check_multiplier(name: str, value) -> float:
     return float(value)
 
 
-def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
-    for name, t in (("x", x), ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+def _as_packed(gate_up_weight) -> torch.Tensor:
+    if isinstance(gate_up_weight, (tuple, list)):
+        if len(gate_up_weight) != 2:
+            raise ValueError(f"expected a (gate_weight, up_weight) pair, got {len(gate_up_weight)} tensors")
+        return pack_gate_up(*gate_up_weight)
+    return gate_up_weight
+
+
+def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor | None = None) -> None:
+    named = {"x": x, "gate_up_weight": gate_up_weight}
+    if down_weight is not None:
+        named["down_weight"] = down_weight
+    for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-    if not (x.dtype == gate_up_weight.dtype == down_weight.dtype):
-        raise TypeError(
-            f"x, gate/up weight and down weight must share a dtype, got {x.dtype}, "
-            f"{gate_up_weight.dtype} and {down_weight.dtype}"
-        )
-    if not (x.device == gate_up_weight.device == down_weight.device):
+    if len({t.dtype for t in named.values()}) > 1:
+        got = ", ".join(f"{n} {t.dtype}" for n, t in named.items())
+        raise TypeError(f"x and the weights must share a dtype, got {got}")
+    if len({t.device for t in named.values()}) > 1:
+        got = ", ".join(f"{n} on {t.device}" for n, t in named.items())
+        raise ValueError(f"x and the weights must be on one device, got {got}")
+    if gate_up_weight.dim() != 2 or x.dim() < 1 or (down_weight is not None and down_weight.dim() != 2):
+        got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in named.items())
         raise ValueError(
-            f"x, gate/up weight and down weight must be on one device, got {x.device}, "
-            f"{gate_up_weight.device} and {down_weight.device}"
+            "expected x [..., hidden], packed gate/up weight [2 * intermediate, hidden] and down weight "
+            f"[hidden, intermediate]; got shapes {got}"
         )
-    if gate_up_weight.dim() != 2 or down_weight.dim() != 2 or x.dim() < 1:
+    two_inter, hidden = gate_up_weight.shape
+    if x.shape[-1] != hidden or two_inter % 2:
         raise ValueError(
-            f"expected x [..., hidden], packed gate/up weight [2 * intermediate, hidden] and down weight "
-            f"[hidden, intermediate]; got shapes {tuple(x.shape)}, {tuple(gate_up_weight.shape)} "
-            f"and {tuple(down_weight.shape)}"
+            f"packed gate/up weight {tuple(gate_up_weight.shape)} needs an even first dim and x's last dim "
+            f"equal to its hidden size {hidden}; x is {tuple(x.shape)}"
         )
-    hidden, inter = down_weight.shape
-    if gate_up_weight.shape != (2 * inter, hidden) or x.shape[-1] != hidden:
+    if down_weight is not None and down_weight.shape != (hidden, two_inter // 2):
         raise ValueError(
-            f"shapes do not fit hidden={hidden}, intermediate={inter} (from the down weight): x "
-            f"{tuple(x.shape)} needs last dim {hidden}, packed gate/up weight {tuple(gate_up_weight.shape)} "
-            f"needs ({2 * inter}, {hidden})"
+            f"down weight {tuple(down_weight.shape)} needs shape ({hidden}, {two_inter // 2}) to fit the "
+            f"packed gate/up weight {tuple(gate_up_weight.shape)}"
         )
-    check_intermediate_size(inter)
+    check_intermediate_size(two_inter // 2)
+
+
+def _training(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def swiglu_mlp(
@@ -100,24 +120,23 @@ def swiglu_mlp(
             ``LlamaMLP`` (packed on every call, and gradients flow back to both).
         down_weight: ``[hidden, intermediate]``.
         gate_multiplier, down_multiplier: scalar multipliers (Falcon-H1 style); 1.0 for LLaMA-class models.
-        save: what training keeps for the backward: ``"preact"`` (2 * intermediate elements per token)
-            or ``"factors"`` (3 * intermediate per token, a cheaper backward epilogue).
+        save: what training keeps for the backward, per token: ``"preact"`` (2 * intermediate elements),
+            ``"factors"`` (3 * intermediate, a cheaper backward epilogue) or ``"recompute"`` (nothing;
+            the backward re-runs the gate/up GEMM).
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.
 
     Under ``torch.no_grad()`` / ``torch.inference_mode()``, or when nothing requires grad, nothing is
-    saved. The result can be walked backward once (no ``retain_graph`` re-walk, no ``create_graph``).
+    saved. With ``"preact"``/``"factors"`` the result can be walked backward once (the backward
+    overwrites what was saved); ``create_graph`` is not supported.
     """
-    if isinstance(gate_up_weight, (tuple, list)):
-        if len(gate_up_weight) != 2:
-            raise ValueError(f"expected a (gate_weight, up_weight) pair, got {len(gate_up_weight)} tensors")
-        gate_up_weight = pack_gate_up(*gate_up_weight)
+    gate_up_weight = _as_packed(gate_up_weight)
     _validate(x, gate_up_weight, down_weight)
-    kind = check_save_mode(save)
+    check_save_mode(save)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     down_multiplier = _check_multiplier("down_multiplier", down_multiplier)
-    hidden = down_weight.shape[0]
+    hidden = gate_up_weight.shape[1]
     x2d = x.reshape(-1, hidden)
 
     if not fused_path_available(x2d, gate_up_weight, down_weight):
@@ -128,13 +147,49 @@ def swiglu_mlp(
         x2d = tma_ready(x2d)
         gate_up_weight = tma_ready(gate_up_weight)
         down_weight = tma_ready(down_weight)
-        training = torch.is_grad_enabled() and (
-            x.requires_grad or gate_up_weight.requires_grad or down_weight.requires_grad
-        )
-        if training:
+        if _training(x2d, gate_up_weight, down_weight):
             y = SwiGLUMLPFunction.apply(
-                x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, kind
+                x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save
             )
         else:
             y = swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
     return y.reshape(*x.shape[:-1], hidden)
+
+
+def swiglu_linear(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    *,
+    gate_multiplier: float = 1.0,
+    save: Literal["factors", "recompute"] = "factors",
+) -> torch.Tensor:
+    """The GLU half alone: ``silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)``, for callers that own the
+    down projection (Megatron-style blocks, MoE experts).
+
+    Args:
+        x: ``[..., hidden]``.
+        gate_up_weight: packed ``[2 * intermediate, hidden]``, or a ``(gate_weight, up_weight)`` pair.
+        gate_multiplier: scalar multiplier of the gate pre-activation.
+        save: ``"factors"`` keeps [silu(g) | u * silu'(g)] (2 * intermediate per token; the backward is
+            two multiplies, in place) or ``"recompute"`` keeps nothing and re-runs the fused GEMM.
+
+    Returns:
+        ``[..., intermediate]``.
+    """
+    gate_up_weight = _as_packed(gate_up_weight)
+    _validate(x, gate_up_weight)
+    check_save_mode(save, LINEAR_SAVE_MODES)
+    gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
+    two_inter, hidden = gate_up_weight.shape
+    x2d = x.reshape(-1, hidden)
+    if not fused_path_available(x2d, gate_up_weight):
+        a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
+    else:
+        x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
+        if _training(x2d, gate_up_weight):
+            a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
+        else:
+            a, _ = glu_forward(
+                x2d, gate_up_weight, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.NOTHING
+            )
+    return a.reshape(*x.shape[:-1], two_inter // 2)

@@ -1,9 +1,10 @@
-"""``SwiGLUMLP``: a drop-in replacement for Hugging Face ``LlamaMLP``-style modules.
+"""Modules: ``SwiGLUMLP``, a drop-in replacement for Hugging Face ``LlamaMLP``-style modules, and
+``SwiGLULinear``, the GLU half alone.
 
-The module owns the packed gate/up parameter (the optimizer updates it packed; nothing is repacked
-per step) and ``down_proj`` as an ``nn.Linear``. Its ``state_dict`` speaks Hugging Face:
-``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``, so checkpoints load and save with no
-renaming; the packing happens in the state-dict hooks.
+Both own the packed gate/up parameter ``gate_up_proj`` (the optimizer updates it packed; nothing is
+repacked per step). Their ``state_dict`` speaks Hugging Face: ``gate_proj.weight``, ``up_proj.weight``
+(and ``down_proj.weight``), so checkpoints load and save with no renaming; the packing happens in
+the state-dict hooks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .functional import DEFAULT_SAVE, SaveMode, check_save_mode, swiglu_mlp
+from .functional import DEFAULT_SAVE, LINEAR_SAVE_MODES, SaveMode, check_save_mode, swiglu_linear, swiglu_mlp
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
 
 _GATE, _UP, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj"
@@ -30,14 +31,28 @@ def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing
         state_dict[prefix + _PACKED] = pack_gate_up(state_dict.pop(gate_key), state_dict.pop(up_key))
 
 
+def _add_packed_gate_up(module: nn.Module, hidden_size: int, intermediate_size: int, factory: dict) -> None:
+    check_intermediate_size(intermediate_size)
+    module.hidden_size = hidden_size
+    module.intermediate_size = intermediate_size
+    module.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
+    module.register_state_dict_post_hook(_unpack_state_dict)
+    module.register_load_state_dict_pre_hook(_pack_state_dict)
+
+
+def _reset_packed_gate_up(weight: nn.Parameter) -> None:
+    # nn.Linear's default; every packed row has fan-in hidden_size, as in the two separate Linears.
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
 class SwiGLUMLP(nn.Module):
     """``down_multiplier * down_proj(silu(gate_multiplier * gate_proj(x)) * up_proj(x))``, fused.
 
     Args:
         hidden_size: model width ``H``.
         intermediate_size: MLP width ``I`` (a multiple of 8).
-        save: training memory mode, ``"preact"`` (2I elements kept per token) or ``"factors"`` (3I);
-            may be changed on the instance at any time.
+        save: training memory mode: ``"preact"`` (2I elements kept per token), ``"factors"`` (3I) or
+            ``"recompute"`` (none; one more GEMM in the backward); may be changed on the instance.
         gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
         device, dtype: of the parameters.
 
@@ -57,23 +72,17 @@ class SwiGLUMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_intermediate_size(intermediate_size)
         check_save_mode(save)
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        factory = {"device": device, "dtype": dtype}
+        _add_packed_gate_up(self, hidden_size, intermediate_size, factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
         self.save = save
         self.gate_multiplier = gate_multiplier
         self.down_multiplier = down_multiplier
-        factory = {"device": device, "dtype": dtype}
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
         self.reset_parameters()
-        self.register_state_dict_post_hook(_unpack_state_dict)
-        self.register_load_state_dict_pre_hook(_pack_state_dict)
 
     def reset_parameters(self) -> None:
-        # nn.Linear's default; every packed row has fan-in hidden_size, as in the two separate Linears.
-        nn.init.kaiming_uniform_(self.gate_up_proj, a=math.sqrt(5))
+        _reset_packed_gate_up(self.gate_up_proj)
         self.down_proj.reset_parameters()
 
     @classmethod
@@ -102,3 +111,42 @@ class SwiGLUMLP(nn.Module):
         if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
             parts.append(f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}")
         return ", ".join(parts)
+
+
+class SwiGLULinear(nn.Module):
+    """The GLU half ``silu(gate_multiplier * gate_proj(x)) * up_proj(x)``, ``[..., H] -> [..., I]``, fused.
+
+    For blocks that own their down projection (Megatron-style stacks, MoE experts). ``save`` is
+    ``"factors"`` (2I elements kept per token, an in-place two-multiply backward) or ``"recompute"``.
+    Parameter: ``gate_up_proj`` ``[2I, H]``, packed; state-dict keys ``gate_proj.weight``,
+    ``up_proj.weight``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        save: str = "factors",
+        gate_multiplier: float = 1.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_save_mode(save, LINEAR_SAVE_MODES)
+        _add_packed_gate_up(self, hidden_size, intermediate_size, {"device": device, "dtype": dtype})
+        self.save = save
+        self.gate_multiplier = gate_multiplier
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_packed_gate_up(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_linear(x, self.gate_up_proj, gate_multiplier=self.gate_multiplier, save=self.save)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, save={self.save!r}"
+            + (f", gate_multiplier={self.gate_multiplier}" if self.gate_multiplier != 1.0 else "")
+        )

@@ -13,20 +13,25 @@ from dataclasses import dataclass
 import torch
 
 from .layout import pack_gate_up
-from .reference import reference_swiglu_mlp, reference_swiglu_mlp_packed
-
-GRADIENT_NAMES = ("out", "dx", "dw_gate_up", "dw_down")
+from .reference import (
+    reference_swiglu,
+    reference_swiglu_mlp,
+    reference_swiglu_mlp_packed,
+    reference_swiglu_packed,
+)
 
 
 @dataclass
 class MLPProblem:
-    """Random inputs of one MLP step: x [M, H], gate/up [I, H], down [H, I], dy [M, H]."""
+    """Random inputs of one step: x [M, H], gate/up [I, H], down [H, I], the MLP's output gradient
+    dy [M, H], and da [M, I], the output gradient of the GLU operator alone."""
 
     x: torch.Tensor
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
     dy: torch.Tensor
+    da: torch.Tensor
     gate_multiplier: float = 1.0
     down_multiplier: float = 1.0
 
@@ -58,6 +63,7 @@ def make_problem(
         w_up=randn(inter, hidden, scale=hidden**-0.5),
         w_down=randn(hidden, inter, scale=inter**-0.5),
         dy=randn(m, hidden),
+        da=randn(m, inter),
         gate_multiplier=gate_multiplier,
         down_multiplier=down_multiplier,
     )
@@ -115,6 +121,38 @@ def oracle_step(problem: MLPProblem) -> dict[str, torch.Tensor]:
     return run_step(fn, problem, dtype=torch.float64)
 
 
+GLUFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_glu_step(fn: GLUFn, problem: MLPProblem, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Forward and backward (with ``problem.da``) of the GLU operator ``fn(x, w_gate_up)``."""
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+    x = cast(problem.x).detach().requires_grad_()
+    w_gate_up = cast(problem.w_gate_up).detach().requires_grad_()
+    out = fn(x, w_gate_up)
+    out.backward(cast(problem.da))
+    return {"out": out.detach(), "dx": x.grad, "dw_gate_up": w_gate_up.grad}
+
+
+def run_eager_glu_step(problem: MLPProblem) -> dict[str, torch.Tensor]:
+    """The GLU half in eager PyTorch with separate gate/up weights, in the problem's dtype."""
+    x = problem.x.detach().requires_grad_()
+    w_gate = problem.w_gate.detach().requires_grad_()
+    w_up = problem.w_up.detach().requires_grad_()
+    out = reference_swiglu(x, w_gate, w_up, gate_multiplier=problem.gate_multiplier)
+    out.backward(problem.da)
+    return {"out": out.detach(), "dx": x.grad, "dw_gate_up": pack_gate_up(w_gate.grad, w_up.grad)}
+
+
+def glu_oracle_step(problem: MLPProblem) -> dict[str, torch.Tensor]:
+    """The float64 reference of the GLU half."""
+
+    def fn(x, w_gate_up):
+        return reference_swiglu_packed(x, w_gate_up, gate_multiplier=problem.gate_multiplier)
+
+    return run_glu_step(fn, problem, dtype=torch.float64)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64; ``inf`` if ``actual`` has NaN or Inf."""
     if actual.shape != expected.shape:
@@ -146,7 +184,7 @@ def accuracy_rows(
     fused: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor], dtype
 ) -> list[ErrorRow]:
     rows = []
-    for name in GRADIENT_NAMES:
+    for name in oracle:
         fused_err = relative_error(fused[name], oracle[name])
         eager_err = relative_error(eager[name], oracle[name])
         rows.append(ErrorRow(name, fused_err, eager_err, 2 * eager_err + unit_roundoff(dtype)))

@@ -1,0 +1,103 @@
+"""The GLU operator alone: swiglu_linear, its in-place gradient kernel, and the SwiGLULinear module."""
+
+import pytest
+import torch
+
+import fused_swiglu.autograd as autograd_mod
+from fused_swiglu import SwiGLULinear, fused_path_available, pack_gate_up, swiglu_linear
+from fused_swiglu.kernels.common import Saved
+from fused_swiglu.kernels.glu_forward import glu_forward
+from fused_swiglu.kernels.glu_grad import glu_grad_
+from fused_swiglu.layout import split_packed_columns
+from fused_swiglu.testing import (
+    accuracy_rows,
+    glu_oracle_step,
+    make_problem,
+    relative_error,
+    run_eager_glu_step,
+    run_glu_step,
+    unit_roundoff,
+)
+
+MULTIPLIERS = [pytest.param(1.0, id="gm1"), pytest.param(0.5, id="gm0.5")]
+
+
+def test_glu_grad_kernel_multiplies_both_halves_in_place(shape, dtype, device):
+    p = make_problem(*shape, dtype=dtype, device=device)
+    _, factors = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    f_up, f_gate = (t.double() for t in split_packed_columns(factors))
+    out = glu_grad_(p.da, factors)
+    assert out.data_ptr() == factors.data_ptr()
+    d_up, d_gate = split_packed_columns(factors)
+    da = p.da.double()
+    # One rounding of an exact product: at most one unit roundoff per element.
+    assert relative_error(d_up, da * f_up) <= unit_roundoff(dtype)
+    assert relative_error(d_gate, da * f_gate) <= unit_roundoff(dtype)
+
+
+@pytest.mark.parametrize("gate_multiplier", MULTIPLIERS)
+@pytest.mark.parametrize("save", ["factors", "recompute"])
+def test_training_step_matches_reference(shape, dtype, device, save, gate_multiplier, monkeypatch):
+    launches = []
+    real = autograd_mod.glu_forward
+    monkeypatch.setattr(
+        autograd_mod, "glu_forward", lambda *a, **k: launches.append(k["save"]) or real(*a, **k)
+    )
+    p = make_problem(*shape, dtype=dtype, device=device, gate_multiplier=gate_multiplier)
+
+    def fused(x, w):
+        return swiglu_linear(x, w, gate_multiplier=gate_multiplier, save=save)
+
+    rows = accuracy_rows(run_glu_step(fused, p), run_eager_glu_step(p), glu_oracle_step(p), dtype)
+    failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
+    assert not failed, failed
+    assert launches == ([Saved.FACTORS] if save == "factors" else [Saved.NOTHING, Saved.FACTORS])
+
+
+def test_inference_matches_reference(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device, gate_multiplier=0.5)
+    with torch.no_grad():
+        a = swiglu_linear(p.x.reshape(1, 37, 40), (p.w_gate, p.w_up), gate_multiplier=0.5)
+    assert a.shape == (1, 37, 72) and a.grad_fn is None
+    assert relative_error(a.reshape(37, 72), glu_oracle_step(p)["out"]) < 1e-5
+
+
+def test_reference_fallback_for_unaligned_rows(device):
+    p = make_problem(37, 12, 72, dtype=torch.float16, device=device)
+    assert not fused_path_available(p.x, p.w_gate_up)
+    got, want = run_glu_step(swiglu_linear, p), glu_oracle_step(p)
+    for name in got:
+        assert relative_error(got[name], want[name]) < 2e-3, name
+
+
+def test_second_backward_raises_with_saved_factors(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    a = swiglu_linear(p.x.requires_grad_(), p.w_gate_up)
+    a.backward(p.da, retain_graph=True)
+    with pytest.raises(RuntimeError, match="already walked backward"):
+        a.backward(p.da)
+
+
+@pytest.mark.parametrize(
+    "save, error",
+    [pytest.param("preact", ValueError, id="preact"), pytest.param("all", ValueError, id="unknown")],
+)
+def test_rejects_save_modes_it_does_not_have(save, error):
+    with pytest.raises(error, match="save must be one of"):
+        swiglu_linear(torch.randn(4, 16), torch.randn(32, 16), save=save)
+
+
+def test_module_state_dict_and_training(device):
+    glu = SwiGLULinear(40, 72, device=device, gate_multiplier=0.5)
+    state = glu.state_dict()
+    assert set(state) == {"gate_proj.weight", "up_proj.weight"}
+    other = SwiGLULinear(40, 72, device=device, gate_multiplier=0.5, save="recompute")
+    other.load_state_dict(state)
+    assert torch.equal(other.gate_up_proj, pack_gate_up(state["gate_proj.weight"], state["up_proj.weight"]))
+    x = torch.randn(3, 5, 40, device=device, requires_grad=True)
+    glu(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    other(x).sum().backward()
+    assert relative_error(x.grad, expected) < 1e-5
+    assert "gate_multiplier=0.5" in repr(glu)
