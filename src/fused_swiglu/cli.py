@@ -16,7 +16,8 @@ import time
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SAVES = ("factors", "preact")
+MLP_SAVES = ("preact", "factors", "recompute")
+GLU_SAVES = ("factors", "recompute")
 
 
 def _interpreter_requested() -> bool:
@@ -25,10 +26,19 @@ def _interpreter_requested() -> bool:
 
 def _check(args: argparse.Namespace) -> int:
     # Imported late: Triton fixes interpreter mode when the kernels are defined.
-    from .functional import swiglu_mlp
+    from .functional import swiglu_linear, swiglu_mlp
     from .reference import reference_swiglu_mlp
     from .tables import format_table
-    from .testing import accuracy_rows, make_problem, oracle_step, run_eager_step, run_step
+    from .testing import (
+        accuracy_rows,
+        glu_oracle_step,
+        make_problem,
+        oracle_step,
+        run_eager_glu_step,
+        run_eager_step,
+        run_glu_step,
+        run_step,
+    )
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -53,30 +63,43 @@ def _check(args: argparse.Namespace) -> int:
         problem = make_problem(
             m, hidden, inter, dtype=dtype, device=device, gate_multiplier=gm, down_multiplier=dm
         )
-        oracle = oracle_step(problem)
-        eager = run_eager_step(problem)
         rows = []
-        for save in SAVES:
+        oracle, eager = oracle_step(problem), run_eager_step(problem)
+        for save in MLP_SAVES:
 
             def fused(x, w, wd, save=save):
                 return swiglu_mlp(x, w, wd, gate_multiplier=gm, down_multiplier=dm, save=save)
 
-            for r in accuracy_rows(run_step(fused, problem), eager, oracle, dtype):
-                all_ok &= r.ok
-                rows.append(
-                    [
-                        save,
-                        r.name,
-                        r.fused,
-                        r.eager,
-                        r.fused / r.eager if r.eager else None,
-                        "ok" if r.ok else "FAIL",
-                    ]
-                )
-        print(f"accuracy, {str(dtype).removeprefix('torch.')}: relative error against the float64 reference")
-        print(format_table(["save", "tensor", "fused", "eager", "fused/eager", "within 2x eager"], rows))
-        print()
+            rows += [
+                ("swiglu_mlp", save, r) for r in accuracy_rows(run_step(fused, problem), eager, oracle, dtype)
+            ]
+        oracle, eager = glu_oracle_step(problem), run_eager_glu_step(problem)
+        for save in GLU_SAVES:
+
+            def fused_glu(x, w, save=save):
+                return swiglu_linear(x, w, gate_multiplier=gm, save=save)
+
+            glu = run_glu_step(fused_glu, problem)
+            rows += [("swiglu_linear", save, r) for r in accuracy_rows(glu, eager, oracle, dtype)]
         del oracle, eager
+        all_ok &= all(r.ok for _, _, r in rows)
+        table = [
+            [
+                op,
+                save,
+                r.name,
+                r.fused,
+                r.eager,
+                r.fused / r.eager if r.eager else None,
+                "ok" if r.ok else "FAIL",
+            ]
+            for op, save, r in rows
+        ]
+        print(f"accuracy, {str(dtype).removeprefix('torch.')}: relative error against the float64 reference")
+        print(
+            format_table(["op", "save", "tensor", "fused", "eager", "fused/eager", "within 2x eager"], table)
+        )
+        print()
         if on_gpu:
             _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table)
     print("check passed" if all_ok else "check FAILED: fused error above 2x eager's")
@@ -99,7 +122,7 @@ def _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table) -> N
     def eager():
         return reference_swiglu_mlp(x, w_gate, w_up, w_down, gate_multiplier=gm, down_multiplier=dm)
 
-    impls = {f"fused ({s})": fused(s) for s in SAVES} | {"eager PyTorch": eager}
+    impls = {f"fused ({s})": fused(s) for s in MLP_SAVES} | {"eager PyTorch": eager}
     rows = []
     for name, forward in impls.items():
 

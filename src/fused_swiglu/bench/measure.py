@@ -49,47 +49,38 @@ def _no_grad(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return run
 
 
-def measure_shape(
-    m: int,
-    hidden: int,
-    inter: int,
-    impl_names: list[str],
+def measure_impls(
+    impls: list[Impl | tuple[str, str]],
+    grad_out: torch.Tensor,
+    flops: float,
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    reps: int = 5,
+    reps: int,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    """One row per implementation (``{"impl", "missing"}`` for a peer that is not installed)."""
-    torch.manual_seed(0)
-    reference = EagerSwiGLUMLP(hidden, inter, device="cuda", dtype=dtype)
-    x = torch.randn(m, hidden, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(m, hidden, device="cuda", dtype=dtype)
-
+    """First call, memory and interleaved timings of ``impls`` (a ``(name, reason)`` pair marks a
+    missing one); the first implementation named ``floor`` is the reference for the ratios."""
     rows: dict[str, dict] = {}
-    impls: list[Impl] = []
-    for name in impl_names:
-        if name == "torch.compile":
-            torch._dynamo.reset()  # a fresh compile per shape, timed as its first call
-        built = build_impl(name, reference, x, dy)
-        if isinstance(built, str):
-            rows[name] = {"impl": name, "missing": built}
-            log(f"  {name}: missing ({built})")
+    ready: list[Impl] = []
+    for impl in impls:
+        if isinstance(impl, tuple):
+            rows[impl[0]] = {"impl": impl[0], "missing": impl[1]}
+            log(f"  {impl[0]}: missing ({impl[1]})")
             continue
         t0 = time.perf_counter()
-        built.step()
+        impl.step()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
-        _clear_grads(built)
-        row = {"impl": name, "first_call_s": first}
-        if built.measures_memory:
-            row["kept_mib"], row["peak_mib"] = _memory(built, dy)
-        rows[name] = row
-        impls.append(built)
-        log(f"  {name}: first call {first:.2f} s")
+        _clear_grads(impl)
+        row = {"impl": impl.name, "first_call_s": first}
+        if impl.measures_memory:
+            row["kept_mib"], row["peak_mib"] = _memory(impl, grad_out)
+        rows[impl.name] = row
+        ready.append(impl)
+        log(f"  {impl.name}: first call {first:.2f} s")
 
     samples: dict[tuple[str, str], list[float]] = {}
     for rep in range(reps):
-        for impl in impls:
+        for impl in ready:
             metrics = {
                 "step_ms": (impl.step, impl.params),
                 "fwd_ms": (impl.forward, []),
@@ -102,13 +93,38 @@ def measure_shape(
     for (name, metric), values in samples.items():
         rows[name][metric] = statistics.median(values)
 
-    flops = 18 * m * hidden * inter  # six GEMMs: 6 MHI forward, 12 MHI backward
     floor = rows.get("floor", {})
     for row in rows.values():
-        row.update({"M": m, "hidden": hidden, "intermediate": inter})
         if "step_ms" in row:
             row["tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
             for metric in ("step_ms", "fwd_ms", "no_grad_fwd_ms"):
                 if metric in floor:
                     row[metric.removesuffix("_ms") + "_vs_floor"] = row[metric] / floor[metric]
-    return [rows[name] for name in impl_names if name in rows]
+    return list(rows.values())
+
+
+def measure_shape(
+    m: int,
+    hidden: int,
+    inter: int,
+    impl_names: list[str],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    reps: int = 5,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """The MLP at one shape: one row per implementation."""
+    torch.manual_seed(0)
+    reference = EagerSwiGLUMLP(hidden, inter, device="cuda", dtype=dtype)
+    x = torch.randn(m, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, hidden, device="cuda", dtype=dtype)
+    impls = []
+    for name in impl_names:
+        if name == "torch.compile":
+            torch._dynamo.reset()  # a fresh compile per shape, timed as its first call
+        built = build_impl(name, reference, x, dy)
+        impls.append((name, built) if isinstance(built, str) else built)
+    rows = measure_impls(impls, dy, 18 * m * hidden * inter, reps=reps, log=log)  # 6 MHI fwd + 12 MHI bwd
+    for row in rows:
+        row.update({"M": m, "hidden": hidden, "intermediate": inter})
+    return rows

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .coldstart import cold_start_seconds
+from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .impls import IMPL_NAMES
 from .measure import measure_shape
 from .report import provenance, shape_table, write_json, write_markdown, write_plots
@@ -52,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
+        "--glu",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="also benchmark the GLU operator alone at M H I (default: 11136 3584 14336)",
+    )
+    parser.add_argument(
         "--cold-start",
         action="store_true",
         help="also time a new shape's first call in fresh processes (empty, then warm kernel cache)",
@@ -62,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (use `python -m fused_swiglu check` to check the kernels on CPU)")
         return 2
+    if args.glu and len(args.glu) != 3:
+        print(f"--glu takes M H I (three integers) or nothing, got {args.glu}")
+        return 2
     shapes = {name: SHAPES[name] for name in args.shapes}
     shapes.update({f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape})
     meta = provenance(args.commit)
@@ -70,25 +81,65 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict]] = {}
     extra_json: dict = {}
     extra_md: list[str] = []
+
+    def save() -> list[Path]:
+        # After every stage, so a later failure or time-out keeps what was measured.
+        write_json(args.out / "results.json", meta, results, extra_json)
+        write_markdown(args.out / "results.md", meta, results, extra_md)
+        written = [args.out / "results.json", args.out / "results.md"]
+        if not args.no_plots and results:
+            written += write_plots(args.out, results)
+        return written
+
     for name, (m, h, i) in shapes.items():
         print(f"\n{name}: M={m} hidden={h} intermediate={i}", flush=True)
         results[name] = measure_shape(m, h, i, args.impls, reps=args.reps, log=lambda s: print(s, flush=True))
         print(shape_table(results[name]), flush=True)
-        write_json(args.out / "results.json", meta, results, extra_json)
+        save()
+    if args.glu is not None:
+        extra_md += _glu_section(args, extra_json)
+        save()
     if args.cold_start:
-        name, (m, h, i) = next(iter(shapes.items()))
-        cold, warm = cold_start_seconds(m, h, i, "preact")
-        extra_json["cold_start"] = {"shape": name, "empty_cache_s": cold, "reused_cache_s": warm}
-        line = (
-            f"First fwd+bwd of a new shape ({name}) in a fresh process: {cold:.2f} s with an empty "
-            f"Triton cache, {warm:.2f} s in a second process reusing it (process start excluded)."
-        )
-        extra_md += [line, ""]
-        print("\n" + line)
-    write_json(args.out / "results.json", meta, results, extra_json)
-    write_markdown(args.out / "results.md", meta, results, extra_md)
-    written = [args.out / "results.json", args.out / "results.md"]
-    if not args.no_plots:
-        written += write_plots(args.out, results)
-    print("\nwrote " + ", ".join(str(p) for p in written))
+        extra_md += _cold_start_section(shapes, extra_json)
+    print("\nwrote " + ", ".join(str(p) for p in save()))
     return 0
+
+
+def _glu_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
+    m, h, i = args.glu or (11136, 3584, 14336)
+    name = f"GLU operator M{m}-H{h}-I{i}"
+    print(f"\n{name}", flush=True)
+    rows = measure_glu_shape(
+        m, h, i, list(GLU_IMPL_NAMES), reps=args.reps, log=lambda s: print(s, flush=True)
+    )
+    print(shape_table(rows), flush=True)
+    grad = measure_factor_gradient(m, h, i)
+    extra_json["glu"] = {"shape": [m, h, i], "rows": rows, "factor_gradient": grad}
+    line = (
+        f"In-place factor gradient alone ([f_up | f_gate] * dA, M={m}, I={i}): Triton kernel "
+        f"{grad['kernel_ms']:.3f} ms ({grad['kernel_tb_s']:.2f} TB/s), broadcast mul_ "
+        f"{grad['torch_mul_ms']:.3f} ms ({grad['torch_mul_tb_s']:.2f} TB/s)."
+    )
+    print(line, flush=True)
+    return [
+        f"## {name}",
+        "",
+        "floor = x @ W^T, grad @ W, grad^T @ x (cuBLAS).",
+        "",
+        shape_table(rows, True),
+        "",
+        line,
+        "",
+    ]
+
+
+def _cold_start_section(shapes: dict, extra_json: dict) -> list[str]:
+    name, (m, h, i) = next(iter(shapes.items()))
+    cold, warm = cold_start_seconds(m, h, i, "preact")
+    extra_json["cold_start"] = {"shape": name, "empty_cache_s": cold, "reused_cache_s": warm}
+    line = (
+        f"First fwd+bwd of a new shape ({name}) in a fresh process: {cold:.2f} s with an empty "
+        f"Triton cache, {warm:.2f} s in a second process reusing it (process start excluded)."
+    )
+    print("\n" + line, flush=True)
+    return [line, ""]

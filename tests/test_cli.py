@@ -1,0 +1,19 @@
+"""The command line: ``check`` runs the real kernels and checks them; ``bench`` needs a GPU."""
+
+import torch
+
+from fused_swiglu.cli import main
+
+
+def test_check_passes_on_a_small_problem(capsys):
+    assert main(["check", "--shape", "33", "24", "40", "--dtype", "fp32", "--gate-multiplier", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "check passed" in out
+    assert "swiglu_linear" in out and "recompute" in out
+
+
+def test_bench_without_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        return
+    assert main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
