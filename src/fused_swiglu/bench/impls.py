@@ -80,10 +80,16 @@ class GemmFloor:
 
 
 def _module_impl(name: str, module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Impl:
-    def step() -> None:
-        module(x).backward(dy)
+    # flash-swiglu-mlp takes [batch, seq, hidden] only; the view is taken per call so x stays the leaf.
+    batched = name == "flash-swiglu-mlp"
 
-    return Impl(name, lambda: module(x), step, list(module.parameters()) + [x])
+    def forward() -> torch.Tensor:
+        return module(x[None]) if batched else module(x)
+
+    def step() -> None:
+        forward().backward(dy[None] if batched else dy)
+
+    return Impl(name, forward, step, list(module.parameters()) + [x])
 
 
 def _peer(name: str, reference: EagerSwiGLUMLP) -> nn.Module | str:

@@ -67,8 +67,13 @@ def measure_impls(
             log(f"  {impl[0]}: missing ({impl[1]})")
             continue
         t0 = time.perf_counter()
-        impl.step()
-        torch.cuda.synchronize()
+        try:
+            impl.step()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+            rows[impl.name] = {"impl": impl.name, "missing": f"failed: {type(e).__name__}: {e}"[:200]}
+            log(f"  {impl.name}: {rows[impl.name]['missing']}")
+            continue
         first = time.perf_counter() - t0
         _clear_grads(impl)
         row = {"impl": impl.name, "first_call_s": first}
