@@ -16,7 +16,7 @@ import time
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MLP_SAVES = ("preact", "factors", "recompute")
+MLP_SAVES = ("factors", "preact", "recompute")
 GLU_SAVES = ("factors", "recompute")
 
 

@@ -15,10 +15,12 @@ from .layout import check_intermediate_size, pack_gate_up
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 
 SaveMode = Literal["factors", "preact", "recompute"]
-MLP_SAVE_MODES = ("preact", "factors", "recompute")
+MLP_SAVE_MODES = ("factors", "preact", "recompute")
 # The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
 LINEAR_SAVE_MODES = ("factors", "recompute")
-DEFAULT_SAVE: SaveMode = "preact"
+# The fastest mode on the H200 at every benchmark shape (docs/benchmarks/NOTES.md); "preact" trades
+# 0.5-6% of step time for a third less activation memory.
+DEFAULT_SAVE: SaveMode = "factors"
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -120,9 +122,9 @@ def swiglu_mlp(
             ``LlamaMLP`` (packed on every call, and gradients flow back to both).
         down_weight: ``[hidden, intermediate]``.
         gate_multiplier, down_multiplier: scalar multipliers (Falcon-H1 style); 1.0 for LLaMA-class models.
-        save: what training keeps for the backward, per token: ``"preact"`` (2 * intermediate elements),
-            ``"factors"`` (3 * intermediate, a cheaper backward epilogue) or ``"recompute"`` (nothing;
-            the backward re-runs the gate/up GEMM).
+        save: what training keeps for the backward, per token: ``"factors"`` (default; 3 * intermediate
+            elements, the fastest backward), ``"preact"`` (2 * intermediate; the backward recomputes
+            the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.

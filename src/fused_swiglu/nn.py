@@ -51,8 +51,9 @@ class SwiGLUMLP(nn.Module):
     Args:
         hidden_size: model width ``H``.
         intermediate_size: MLP width ``I`` (a multiple of 8).
-        save: training memory mode: ``"preact"`` (2I elements kept per token), ``"factors"`` (3I) or
-            ``"recompute"`` (none; one more GEMM in the backward); may be changed on the instance.
+        save: training memory mode: ``"factors"`` (default, fastest; 3I elements kept per token),
+            ``"preact"`` (2I) or ``"recompute"`` (none; one more GEMM in the backward); may be changed
+            on the instance.
         gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
         device, dtype: of the parameters.
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..nn import SwiGLUMLP
 
-FUSED_SAVES = ("preact", "factors", "recompute")
+FUSED_SAVES = ("factors", "preact", "recompute")
 IMPL_NAMES = (
     "floor",
     *(f"fused-{s}" for s in FUSED_SAVES),

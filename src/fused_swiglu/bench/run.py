@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .impls import IMPL_NAMES
@@ -135,11 +136,16 @@ def _glu_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
 
 def _cold_start_section(shapes: dict, extra_json: dict) -> list[str]:
     name, (m, h, i) = next(iter(shapes.items()))
-    cold, warm = cold_start_seconds(m, h, i, "preact")
-    extra_json["cold_start"] = {"shape": name, "empty_cache_s": cold, "reused_cache_s": warm}
+    cold, warm = cold_start_seconds(m, h, i, DEFAULT_SAVE)
+    extra_json["cold_start"] = {
+        "shape": name,
+        "save": DEFAULT_SAVE,
+        "empty_cache_s": cold,
+        "reused_cache_s": warm,
+    }
     line = (
-        f"First fwd+bwd of a new shape ({name}) in a fresh process: {cold:.2f} s with an empty "
-        f"Triton cache, {warm:.2f} s in a second process reusing it (process start excluded)."
+        f"First fwd+bwd ({DEFAULT_SAVE}) of a new shape ({name}) in a fresh process: {cold:.2f} s with an "
+        f"empty Triton cache, {warm:.2f} s in a second process reusing it (process start excluded)."
     )
     print("\n" + line, flush=True)
     return [line, ""]
