@@ -38,6 +38,12 @@ def swiglu_mlp_no_grad(
     return torch.mm(a, w_down.t())
 
 
+def swiglu_linear_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_multiplier: float) -> torch.Tensor:
+    """Inference of the GLU half: writes ``a`` only."""
+    a, _ = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.NOTHING)
+    return a
+
+
 def _start_backward(ctx) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError(

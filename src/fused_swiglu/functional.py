@@ -8,9 +8,8 @@ from typing import Literal
 
 import torch
 
-from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction, swiglu_mlp_no_grad
-from .kernels.common import Saved, interpreting, tma_ready
-from .kernels.glu_forward import glu_forward
+from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction, swiglu_linear_no_grad, swiglu_mlp_no_grad
+from .kernels.common import interpreting, tma_ready
 from .layout import check_intermediate_size, pack_gate_up
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 
@@ -31,13 +30,12 @@ def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str
     return save
 
 
-def fused_path_available(
-    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor | None = None
-) -> bool:
-    """Whether the fused kernels can run on these (already validated) tensors.
+def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
+    """Whether ``swiglu_mlp``/``swiglu_linear`` take the fused kernels for this input and packed weight.
 
     They need fp16/bf16/fp32 on a CUDA device with TMA (compute capability 9.0+), or CPU tensors under
-    the Triton interpreter; rows 16-byte aligned (hidden * itemsize a multiple of 16) and at least one token.
+    the Triton interpreter; rows 16-byte aligned (hidden and intermediate times the item size
+    multiples of 16) and at least one token. Otherwise the PyTorch reference runs.
     """
     if x.dtype not in FUSED_DTYPES or x.numel() == 0:
         return False
@@ -141,7 +139,7 @@ def swiglu_mlp(
     hidden = gate_up_weight.shape[1]
     x2d = x.reshape(-1, hidden)
 
-    if not fused_path_available(x2d, gate_up_weight, down_weight):
+    if not fused_path_available(x2d, gate_up_weight):
         y = reference_swiglu_mlp_packed(
             x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
         )
@@ -191,7 +189,5 @@ def swiglu_linear(
         if _training(x2d, gate_up_weight):
             a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
         else:
-            a, _ = glu_forward(
-                x2d, gate_up_weight, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.NOTHING
-            )
+            a = swiglu_linear_no_grad(x2d, gate_up_weight, gate_multiplier)
     return a.reshape(*x.shape[:-1], two_inter // 2)
