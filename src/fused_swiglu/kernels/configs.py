@@ -2,8 +2,10 @@
 
 Why no autotuning at call time: the backward kernel writes in place (a re-run would corrupt its
 input), and autotuning every new batch size costs tens of seconds on the first call. Instead the
-choice is a pure function of (M bucket, hidden, intermediate, dtype), measured once on the target GPU
-(see docs/benchmarks/) and written down here; every new shape compiles exactly one kernel per family.
+choice is a pure function of the problem, measured on the target GPU (docs/benchmarks/NOTES.md) and
+written down here; a new shape compiles at most one kernel per family. Today it depends on the M
+bucket, the dtype and what is saved; hidden and intermediate are part of the key so that per-shape
+entries can be added as tuning goes on.
 """
 
 from __future__ import annotations
