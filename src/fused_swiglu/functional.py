@@ -3,6 +3,7 @@ the PyTorch reference where the fused kernels cannot run."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Literal
 
@@ -30,6 +31,12 @@ def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str
     return save
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    # Cached: this runs on every call, and host time counts at decode sizes.
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     """Whether ``swiglu_mlp``/``swiglu_linear`` take the fused kernels for this input and packed weight.
 
@@ -40,7 +47,7 @@ def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     if x.dtype not in FUSED_DTYPES or x.numel() == 0:
         return False
     if x.device.type == "cuda":
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
+        if not _has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device()):
             return False
     elif not (x.device.type == "cpu" and interpreting()):
         return False
