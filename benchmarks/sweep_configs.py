@@ -36,16 +36,27 @@ SHAPES = {
 C = TileConfig
 FORWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
-    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, warp_specialize=True),
-    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True, warp_specialize=True),
-    C(128, 128, 64, num_warps=4, num_stages=3, epilogue_split=2, warp_specialize=True),
+    C(128, 128, 64, num_warps=8, num_stages=4, epilogue_split=2, flatten=True),
+    C(128, 128, 64, num_warps=8, num_stages=4, epilogue_split=4, flatten=True),
 ]
 BACKWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
-    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, warp_specialize=True),
-    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True, warp_specialize=True),
-    C(128, 128, 64, num_warps=4, num_stages=3, epilogue_split=2, warp_specialize=True),
-    C(128, 64, 64, num_warps=4, num_stages=4, epilogue_split=1, warp_specialize=True),
+    C(128, 256, 64, num_warps=8, num_stages=3, epilogue_split=4, flatten=True),
+    C(128, 256, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
+    C(128, 256, 64, num_warps=8, num_stages=3, epilogue_split=4),
+    C(256, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
+    C(256, 128, 64, num_warps=8, num_stages=3, epilogue_split=4, flatten=True),
+]
+# Decode-sized batches read the whole weight for a few rows: more, narrower tiles spread that read
+# over every SM.
+DECODE_ROWS = (1, 16, 64)
+DECODE_CANDIDATES = [
+    C(64, 64, 64, num_warps=4, num_stages=4),
+    C(64, 32, 128, num_warps=4, num_stages=4),
+    C(64, 32, 64, num_warps=4, num_stages=6),
+    C(64, 64, 128, num_warps=4, num_stages=4),
+    C(64, 16, 128, num_warps=4, num_stages=4, epilogue_split=1),
+    C(64, 32, 128, num_warps=4, num_stages=4, flatten=True),
 ]
 
 
@@ -56,7 +67,6 @@ def bench(fn, reps: int) -> float:
 def label(cfg: TileConfig) -> str:
     s = f"{cfg.block_m}x{2 * cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     s += f" e{cfg.epilogue_split}" + (" flat" if cfg.flatten else "")
-    s += " ws" if cfg.warp_specialize else ""
     return s + (f" x{cfg.ctas_per_sm}/SM" if cfg.ctas_per_sm > 1 else "")
 
 
@@ -67,7 +77,33 @@ def attempt(row: dict, fn) -> None:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
 
 
-def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list) -> None:
+def sweep_decode(name: str, h: int, i: int, reps: int, rows: list) -> None:
+    """Inference forward at decode batch sizes against cuBLAS x @ W_packed^T alone, and + silu * mul."""
+    for m in DECODE_ROWS:
+        p = make_problem(m, h, i, dtype=torch.bfloat16, device="cuda", seed=1)
+        wp = p.w_gate_up.contiguous()
+        ref_a = F.silu(p.x.float() @ p.w_gate.float().t()) * (p.x.float() @ p.w_up.float().t())
+        gemm = bench(lambda p=p, wp=wp: torch.mm(p.x, wp.t()), reps)
+        eager = bench(lambda p=p: F.silu(p.x @ p.w_gate.t()) * (p.x @ p.w_up.t()), reps)
+        print(f"\n== decode {name} M={m}: cuBLAS x@Wp^T {gemm * 1e3:.1f} us, eager {eager * 1e3:.1f} us")
+        rows.append({"shape": f"{name}/M={m}", "kernel": "cublas", "fwd_ms": gemm, "eager_ms": eager})
+        for cfg in DECODE_CANDIDATES:
+            row = {"shape": f"{name}/M={m}", "kernel": "forward", "config": label(cfg), "save": "NOTHING"}
+
+            def run(cfg=cfg, row=row, p=p, wp=wp, ref_a=ref_a, gemm=gemm):
+                def launch():
+                    return glu_forward(p.x, wp, gate_scale=1.0, out_scale=1.0, save=Saved.NOTHING, config=cfg)
+
+                row["a_err"] = relative_error(launch()[0], ref_a)
+                row["ms"] = bench(launch, reps)
+                row["ratio"] = row["ms"] / gemm
+
+            attempt(row, run)
+            rows.append(row)
+            report(row)
+
+
+def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list, kernels: set) -> None:
     p = make_problem(m, h, i, dtype=torch.bfloat16, device="cuda", seed=1)
     wp = p.w_gate_up.contiguous()
     ref_a = F.silu(p.x.float() @ p.w_gate.float().t()) * (p.x.float() @ p.w_up.float().t())
@@ -79,7 +115,7 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list) -> Non
     )
     rows.append({"shape": name, "kernel": "cublas", "fwd_ms": gemm_fwd, "bwd_ms": gemm_bwd})
 
-    for cfg in FORWARD_CANDIDATES:
+    for cfg in FORWARD_CANDIDATES if "forward" in kernels else []:
         for save in Saved:
             row = {"shape": name, "kernel": "forward", "config": label(cfg), "save": save.name}
 
@@ -99,7 +135,7 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list) -> Non
             rows.append(row)
             report(row)
 
-    for kind in (Saved.FACTORS, Saved.PREACT):
+    for kind in (Saved.FACTORS, Saved.PREACT) if "backward" in kernels else ():
         _, pristine = glu_forward(p.x, wp, gate_scale=1.0, out_scale=1.0, save=kind)
         first, second = split_packed_columns(pristine.float())
         silu = first if kind == Saved.FACTORS else F.silu(second)
@@ -156,13 +192,19 @@ def report(row: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--kernels", nargs="*", default=["forward", "backward"], choices=["forward", "backward"])
+    ap.add_argument("--decode", nargs="*", default=[], choices=list(SHAPES), help="shapes at decode sizes")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="sweep.json")
     args = ap.parse_args()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     rows: list[dict] = []
     for name in args.shapes:
-        sweep_shape(name, *SHAPES[name], args.reps, rows)
+        sweep_shape(name, *SHAPES[name], args.reps, rows, set(args.kernels))
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for name in args.decode:
+        sweep_decode(name, *SHAPES[name][1:], args.reps, rows)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

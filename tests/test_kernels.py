@@ -95,6 +95,7 @@ def test_backward_kernel_needs_something_saved(device):
         pytest.param(TileConfig(16, 16, 16, group_m=2, num_stages=1, ctas_per_sm=2), id="two-per-sm"),
         pytest.param(TileConfig(32, 16, 16, num_stages=1, epilogue_split=1), id="split1"),
         pytest.param(TileConfig(16, 32, 16, group_m=1, num_stages=1, flatten=True), id="flatten"),
+        pytest.param(TileConfig(16, 32, 16, num_stages=1, epilogue_split=4), id="split4"),
     ],
 )
 @pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
@@ -110,3 +111,24 @@ def test_backward_kernel_variants_agree(device, kind, config):
     assert relative_error(saved, expected) < 1e-6
     if kind == Saved.PREACT:
         assert relative_error(a, a_expected) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(TileConfig(32, 16, 16, num_stages=1, epilogue_split=1), id="split1"),
+        pytest.param(TileConfig(16, 32, 16, group_m=1, num_stages=1, epilogue_split=4), id="split4"),
+        pytest.param(TileConfig(16, 16, 32, num_stages=1, flatten=True), id="flatten-bk32"),
+    ],
+)
+@pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_forward_kernel_variants_agree(device, save, config):
+    """Other tilings and epilogue splits give the default config's outputs."""
+    if device.type == "cuda":
+        pytest.skip("interpreter-sized tiles")
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    a_expected, saved_expected = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)
+    a, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save, config=config)
+    assert relative_error(a, a_expected) < 1e-6
+    if save != Saved.NOTHING:
+        assert relative_error(saved, saved_expected) < 1e-6

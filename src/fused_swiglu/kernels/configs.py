@@ -43,6 +43,8 @@ class TileConfig:
             value = getattr(self, name)
             if value <= 0 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.epilogue_split > 4:
+            raise ValueError(f"epilogue_split is 1, 2 or 4, got {self.epilogue_split}")
         if self.block_n // self.epilogue_split < CHUNK:
             raise ValueError(
                 f"block_n / epilogue_split must cover at least one packed chunk ({CHUNK}), "
@@ -82,8 +84,10 @@ def forward_config(
     if not on_gpu:
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
-    if m <= 64:  # decode-sized batches: not tuned yet
-        return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
+    if m <= 64:
+        # Decode-sized batches stream the weight: a long BK (fewer, larger TMA copies) was the fastest
+        # of six candidates at M = 1, 16, 64 (raw/sweep-prefetch-decode.log).
+        return TileConfig(block_m=64, block_n=64, block_k=2 * block_k, num_warps=4, num_stages=4)
     split = 1 if save == Saved.NOTHING else 2
     return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=split, flatten=True)
 

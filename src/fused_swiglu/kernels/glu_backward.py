@@ -95,16 +95,32 @@ def _glu_backward_kernel(
             b_wd = wd_desc.load([i_k * BK, o_n])  # [BK, BN]
             b_acc = tl.dot(b_dy, b_wd, b_acc, input_precision=DOT_PRECISION)
         b_acc = b_acc * out_scale  # y carries the down multiplier, so dA does too
+        W: tl.constexpr = BN // EPI_SPLIT
         if EPI_SPLIT == 1:
-            _backward_epilogue(b_acc, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, BN, CHUNK_)
+            _backward_epilogue(b_acc, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_)
         else:
-            # Two column halves, each whole packed chunks: halves the epilogue's staging buffers.
+            # Column pieces, each whole packed chunks: smaller staging buffers for the saved tile.
             b_lo, b_hi = split_halves(b_acc, BM, BN)
-            W: tl.constexpr = BN // 2
-            _backward_epilogue(b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_)
-            _backward_epilogue(
-                b_hi, s_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
-            )
+            if EPI_SPLIT == 2:
+                _backward_epilogue(
+                    b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                )
+                _backward_epilogue(
+                    b_hi, s_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                )
+            else:
+                b_0, b_1 = split_halves(b_lo, BM, BN // 2)
+                b_2, b_3 = split_halves(b_hi, BM, BN // 2)
+                _backward_epilogue(b_0, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_)
+                _backward_epilogue(
+                    b_1, s_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                )
+                _backward_epilogue(
+                    b_2, s_desc, a_desc, o_m, o_n + 2 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                )
+                _backward_epilogue(
+                    b_3, s_desc, a_desc, o_m, o_n + 3 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                )
 
 
 def glu_backward_(

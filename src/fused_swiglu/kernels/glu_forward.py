@@ -94,17 +94,31 @@ def _glu_forward_kernel(
             b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
             b_w = w_desc.load([2 * o_n, i_k * BK])  # [2BN, BK]
             b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
+        W: tl.constexpr = 2 * BN // EPI_SPLIT  # packed columns per epilogue piece
+        N_W: tl.constexpr = W // 2  # intermediate columns per piece
         if EPI_SPLIT == 1:
-            _forward_epilogue(
-                b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, 2 * BN, CHUNK_
-            )
+            _forward_epilogue(b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
         else:
-            # Two column halves, each still whole packed chunks: halves the epilogue's staging buffers.
+            # Column pieces, each still whole packed chunks: smaller epilogue staging buffers.
             b_lo, b_hi = split_halves(b_acc, BM, 2 * BN)
-            _forward_epilogue(b_lo, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, BN, CHUNK_)
-            _forward_epilogue(
-                b_hi, a_desc, s_desc, o_m, o_n + BN // 2, gate_scale, out_scale, SAVE, BM, BN, CHUNK_
-            )
+            if EPI_SPLIT == 2:
+                _forward_epilogue(b_lo, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
+                _forward_epilogue(
+                    b_hi, a_desc, s_desc, o_m, o_n + N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
+            else:
+                b_0, b_1 = split_halves(b_lo, BM, BN)
+                b_2, b_3 = split_halves(b_hi, BM, BN)
+                _forward_epilogue(b_0, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
+                _forward_epilogue(
+                    b_1, a_desc, s_desc, o_m, o_n + N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
+                _forward_epilogue(
+                    b_2, a_desc, s_desc, o_m, o_n + 2 * N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
+                _forward_epilogue(
+                    b_3, a_desc, s_desc, o_m, o_n + 3 * N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
 
 
 def glu_forward(
