@@ -93,16 +93,24 @@ def forward_config(
 
 
 @functools.lru_cache(maxsize=256)
-def backward_config(m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool) -> TileConfig:
+def backward_config(
+    m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool, save: Saved = Saved.FACTORS
+) -> TileConfig:
     """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``).
 
-    Same tile as the forward; the epilogue loads and stores the [128, 256] saved tile in two halves.
-    Two programs per SM, smaller tiles, a register prefetch of the saved tile and Triton's warp
-    specialization were all measured and were no faster (docs/benchmarks/NOTES.md).
+    A [128, 256] accumulator, as wide as the forward's: it ran the kernel 1.11-1.13x the cuBLAS GEMM
+    at llama3-8b and llama2-7b against 1.32-1.37x for [128, 128] (raw/sweep-wide.log). Its epilogue
+    walks the [128, 512] saved tile in four pieces, so three pipeline stages still fit. The flattened
+    persistent loop helps with saved pre-activations and at a short reduction (hidden <= 1024), and
+    costs 2-5% with factors over a long one. Two programs per SM, a prefetch of the saved tile and
+    Triton's warp specialization were measured and were no faster (docs/benchmarks/NOTES.md).
     """
     if not on_gpu:
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
-    return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=2, flatten=True)
+    flatten = save == Saved.PREACT or hidden <= 1024
+    if dtype.itemsize == 4:  # twice the bytes per saved piece: the narrower tile fits shared memory
+        return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=2, flatten=True)
+    return TileConfig(128, 256, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=flatten)

@@ -142,7 +142,7 @@ def glu_backward_(
         raise ValueError("the backward needs saved factors or pre-activations")
     m, hidden = dy.shape
     inter = w_down.shape[1]
-    cfg = config or backward_config(m, hidden, inter, dy.dtype, on_gpu=not interpreting())
+    cfg = config or backward_config(m, hidden, inter, dy.dtype, not interpreting(), kind)
     width = cfg.block_n // cfg.epilogue_split
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
