@@ -132,3 +132,15 @@ def test_forward_kernel_variants_agree(device, save, config):
     assert relative_error(a, a_expected) < 1e-6
     if save != Saved.NOTHING:
         assert relative_error(saved, saved_expected) < 1e-6
+
+
+@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_forward_kernel_can_skip_a(device, kind):
+    """A backward that needs only the saved tensor gets it without ``a`` being written."""
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    _, expected = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
+    a, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind, write_a=False)
+    assert a is None
+    assert torch.equal(saved, expected)
+    with pytest.raises(ValueError, match="must write"):
+        glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=Saved.NOTHING, write_a=False)

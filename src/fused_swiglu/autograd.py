@@ -99,6 +99,10 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         )
         # From here on grad_gate_up holds [dU | dG] in packed column order.
         dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
+        if ctx.kept == Saved.FACTORS:
+            # Autograd holds saved tensors until this function returns; release a's memory now, before
+            # the two largest GEMMs allocate their outputs (the backward consumes what was saved).
+            a.untyped_storage().resize_(0)
         del a, recomputed
         dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
         dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw_gate_up else None
@@ -124,7 +128,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         x, w_gate_up, factors = ctx.saved_tensors
         if ctx.kept == Saved.NOTHING:
             _, factors = glu_forward(
-                x, w_gate_up, gate_scale=ctx.gate_multiplier, out_scale=1.0, save=Saved.FACTORS
+                x, w_gate_up, gate_scale=ctx.gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
             )
         grad_gate_up = glu_grad_(da.contiguous(), factors)  # in place: factors become [dU | dG]
         dx = torch.mm(grad_gate_up, w_gate_up) if ctx.needs_input_grad[0] else None

@@ -53,7 +53,8 @@ def _forward_epilogue(
     b_up, b_gate = unpack_columns(b_acc, BM, W, CHUNK_)  # [BM, W/2] each
     b_g = b_gate * gate_scale
     b_silu, b_slope = silu_and_slope(b_g)
-    a_desc.store([o_m, o_n], (b_silu * b_up * out_scale).to(a_desc.dtype))
+    if a_desc is not None:
+        a_desc.store([o_m, o_n], (b_silu * b_up * out_scale).to(a_desc.dtype))
     if SAVE == 1:
         b_factors = pack_columns(b_silu, b_up * b_slope * gate_scale, BM, W, CHUNK_)
         s_desc.store([o_m, 2 * o_n], b_factors.to(s_desc.dtype))
@@ -65,7 +66,7 @@ def _forward_epilogue(
 def _glu_forward_kernel(
     x_desc,  # [M, K]
     w_desc,  # [2N, K] packed
-    a_desc,  # [M, N]
+    a_desc,  # [M, N], or None
     s_desc,  # [M, 2N] packed, or None
     M,
     N,
@@ -128,23 +129,27 @@ def glu_forward(
     gate_scale: float,
     out_scale: float,
     save: Saved,
+    write_a: bool = True,
     config: TileConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable.
 
-    Returns ``a`` [M, I] (scaled by ``out_scale``) and the saved packed [M, 2I] tensor (or ``None``).
+    Returns ``a`` [M, I] (scaled by ``out_scale``; ``None`` with ``write_a=False``, for a backward that
+    only needs the factors) and the saved packed [M, 2I] tensor (or ``None``).
     """
+    if not write_a and save == Saved.NOTHING:
+        raise ValueError("the forward kernel must write a, the saved tensor, or both")
     m, hidden = x.shape
     inter = w_packed.shape[0] // 2
     cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save)
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
-    a = empty((m, inter), x)
+    a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
     _glu_forward_kernel[(persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),)](
         descriptor(x, [cfg.block_m, cfg.block_k]),
         descriptor(w_packed, [2 * cfg.block_n, cfg.block_k]),
-        descriptor(a, [cfg.block_m, width]),
+        None if a is None else descriptor(a, [cfg.block_m, width]),
         None if saved is None else descriptor(saved, [cfg.block_m, 2 * width]),
         m,
         inter,
