@@ -1,8 +1,9 @@
 """Measure every implementation at one shape: first call, memory, then interleaved timings.
 
 Timings are ``triton.testing.do_bench`` medians (CUDA events, L2 flushed between runs). Every
-repetition visits all implementations in turn, and each metric is the median over repetitions, so
-clock drift and thermal state hit all implementations alike.
+repetition visits all implementations in turn, starting one further along each time, and each metric
+is the median over repetitions, so clock drift, thermal state and position hit all implementations
+alike.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def measure_impls(
 
     samples: dict[tuple[str, str], list[float]] = {}
     for rep in range(reps):
-        for impl in ready:
+        # Rotate the order every repetition: whichever runs first after a different workload runs
+        # measurably slower (a few percent), and no implementation should always take that place.
+        shift = rep % max(1, len(ready))
+        for impl in ready[shift:] + ready[:shift]:
             metrics = {
                 "step_ms": (impl.step, impl.params),
                 "fwd_ms": (impl.forward, []),
