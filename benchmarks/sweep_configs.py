@@ -36,8 +36,11 @@ SHAPES = {
 C = TileConfig
 FORWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
-    C(128, 128, 64, num_warps=8, num_stages=4, epilogue_split=2, flatten=True),
-    C(128, 128, 64, num_warps=8, num_stages=4, epilogue_split=4, flatten=True),
+    C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=4, flatten=True),
+    C(128, 128, 128, num_warps=8, num_stages=2, epilogue_split=2, flatten=True),
+    C(64, 128, 64, num_warps=4, num_stages=4, epilogue_split=2, flatten=True),
+    C(128, 64, 64, num_warps=4, num_stages=3, epilogue_split=1, flatten=True, ctas_per_sm=2),
+    C(128, 64, 64, num_warps=8, num_stages=4, epilogue_split=1, flatten=True),
 ]
 BACKWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
