@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig
+from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.layout import split_packed_columns
@@ -144,3 +145,19 @@ def test_forward_kernel_can_skip_a(device, kind):
     assert torch.equal(saved, expected)
     with pytest.raises(ValueError, match="must write"):
         glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=Saved.NOTHING, write_a=False)
+
+
+@pytest.mark.parametrize("multipliers", MULTIPLIERS)
+def test_activation_kernel(shape, dtype, device, multipliers):
+    """The decode path's activation pass over a packed pre-activation computed by torch.mm."""
+    gm, dm = multipliers
+    p = make_problem(*shape, dtype=dtype, device=device)
+    a = glu_activation(p.x @ p.w_gate_up.t(), gate_scale=gm, out_scale=dm)
+    silu64, _, u64, _ = swiglu_terms(p.x.double(), p.w_gate.double(), p.w_up.double(), gm)
+    silu, _, u, _ = swiglu_terms(p.x, p.w_gate, p.w_up, gm)
+    assert_like_eager(a, dm * silu * u, dm * silu64 * u64, dtype, "a")
+
+
+def test_activation_kernel_rejects_unpacked_input(device):
+    with pytest.raises(ValueError, match="packed"):
+        glu_activation(torch.zeros(4, 24, device=device), gate_scale=1.0, out_scale=1.0)

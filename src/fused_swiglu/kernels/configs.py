@@ -64,6 +64,16 @@ class TileConfig:
         }
 
 
+#: Inference with at most this many rows runs cuBLAS's x @ W_packed^T plus a small activation pass
+#: instead of the fused kernel: at decode sizes the GEMM streams the weight faster than the fused
+#: kernel's tiles (docs/benchmarks/NOTES.md).
+CUBLAS_DECODE_ROWS = 64
+
+
+def inference_uses_cublas(m: int) -> bool:
+    return m <= CUBLAS_DECODE_ROWS
+
+
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
 # tiles, ragged edges and several persistent-loop iterations.
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
