@@ -68,7 +68,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, multipliers
     assert forward_saves == KERNEL_SAVES[save]
 
 
-@pytest.mark.parametrize("rows", [37, 130], ids=["decode-rows", "fused-rows"])
+@pytest.mark.parametrize("rows", [5, 37, 130], ids=["decode-rows", "small-rows", "large-rows"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
 def test_inference_path_saves_nothing(device, mode, rows, forward_saves):
     """Decode-sized batches take cuBLAS plus the activation pass, larger ones the fused kernel."""

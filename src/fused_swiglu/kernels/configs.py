@@ -65,9 +65,11 @@ class TileConfig:
 
 
 #: Inference with at most this many rows runs cuBLAS's x @ W_packed^T plus a small activation pass
-#: instead of the fused kernel: at decode sizes the GEMM streams the weight faster than the fused
-#: kernel's tiles (docs/benchmarks/NOTES.md).
-CUBLAS_DECODE_ROWS = 64
+#: instead of the fused kernel. Measured on the H200 (raw/sweep-decode.log) against the GEMM alone:
+#: at M=1 the cuBLAS path took 1.03-1.04x and the fused kernel 1.24-1.26x; at M=16 each won at one
+#: of two shapes; at M=64 the fused kernel was as fast or faster. Sizes between 1 and 16 are not
+#: measured yet; 8 is the cut until they are.
+CUBLAS_DECODE_ROWS = 8
 
 
 def inference_uses_cublas(m: int) -> bool:
