@@ -18,8 +18,8 @@ SaveMode = Literal["factors", "preact", "recompute"]
 MLP_SAVE_MODES = ("factors", "preact", "recompute")
 # The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
 LINEAR_SAVE_MODES = ("factors", "recompute")
-# The fastest mode on the H200 at every benchmark shape (docs/benchmarks/NOTES.md); "preact" trades
-# 0.5-6% of step time for a third less activation memory.
+# The fastest mode on the H200 at four of five benchmark shapes, with the same peak as "preact"
+# (docs/benchmarks/NOTES.md); "preact" keeps a third less between the passes for 0.5-5% of step time.
 DEFAULT_SAVE: SaveMode = "factors"
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
