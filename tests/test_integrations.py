@@ -1,0 +1,53 @@
+"""The fused MLP under the autograd tools training stacks wrap around it: activation checkpointing
+(both flavours) and saved-tensor hooks such as CPU offload."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fused_swiglu import swiglu_mlp
+from fused_swiglu.testing import accuracy_rows, make_problem, oracle_step, run_eager_step, run_step
+
+SAVES = ["factors", "preact", "recompute"]
+
+
+def wrapped(save: str, wrapper: str):
+    def fn(x, w_gate_up, w_down):
+        def mlp(x):
+            return swiglu_mlp(x, w_gate_up, w_down, gate_multiplier=0.5, down_multiplier=2.0, save=save)
+
+        if wrapper == "checkpoint":
+            return checkpoint(mlp, x, use_reentrant=False)
+        if wrapper == "checkpoint-reentrant":
+            return checkpoint(mlp, x, use_reentrant=True)
+        with torch.autograd.graph.save_on_cpu():
+            return mlp(x)
+
+    return fn
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+@pytest.mark.parametrize("save", SAVES)
+def test_step_under_autograd_wrappers(device, dtype, save, wrapper):
+    p = make_problem(37, 40, 72, dtype=dtype, device=device, gate_multiplier=0.5, down_multiplier=2.0)
+    rows = accuracy_rows(run_step(wrapped(save, wrapper), p), run_eager_step(p), oracle_step(p), dtype)
+    failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
+    assert not failed, failed
+
+
+def test_factors_backward_releases_a_before_returning(device):
+    """The memory claim of the factors mode: ``a`` [M, I] is freed once dW_down is computed, not when
+    autograd drops the graph."""
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    unpacked = []
+
+    def unpack(t):
+        unpacked.append(t)
+        return t
+
+    x = p.x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        y = swiglu_mlp(x, p.w_gate_up, p.w_down, save="factors")
+    y.backward(p.dy)
+    (a,) = [t for t in unpacked if t.shape == (37, 72)]
+    assert a.untyped_storage().nbytes() == 0
