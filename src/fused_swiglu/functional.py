@@ -151,16 +151,27 @@ def swiglu_mlp(
             x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
         )
     else:
-        x2d = tma_ready(x2d)
-        gate_up_weight = tma_ready(gate_up_weight)
-        down_weight = tma_ready(down_weight)
-        if _training(x2d, gate_up_weight, down_weight):
-            y = SwiGLUMLPFunction.apply(
-                x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save
-            )
-        else:
-            y = swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
+        y = _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
     return y.reshape(*x.shape[:-1], hidden)
+
+
+# torch.compile runs the fused kernels as they are, behind a graph break: Dynamo would otherwise trace
+# into the Triton launchers, and the in-place backward has no functional form for it to capture.
+@torch.compiler.disable
+def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+    x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
+    if _training(x2d, gate_up_weight, down_weight):
+        args = (gate_multiplier, down_multiplier, save)
+        return SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, *args)
+    return swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
+
+
+@torch.compiler.disable
+def _fused_linear(x2d, gate_up_weight, gate_multiplier, save):
+    x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
+    if _training(x2d, gate_up_weight):
+        return SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
+    return swiglu_linear_no_grad(x2d, gate_up_weight, gate_multiplier)
 
 
 def swiglu_linear(
@@ -192,9 +203,5 @@ def swiglu_linear(
     if not fused_path_available(x2d, gate_up_weight):
         a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
     else:
-        x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
-        if _training(x2d, gate_up_weight):
-            a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
-        else:
-            a = swiglu_linear_no_grad(x2d, gate_up_weight, gate_multiplier)
+        a = _fused_linear(x2d, gate_up_weight, gate_multiplier, save)
     return a.reshape(*x.shape[:-1], two_inter // 2)
