@@ -17,7 +17,7 @@ from .report import provenance, shape_table, write_json, write_markdown, write_p
 SHAPES = {
     "llama3-8b": (8192, 4096, 14336),
     "qwen2.5-7b": (8192, 3584, 18944),
-    "seed-11136": (11136, 3584, 14336),
+    "M11136-H3584-I14336": (11136, 3584, 14336),
     "llama2-7b": (4096, 4096, 11008),
     "qwen2.5-0.5b": (16384, 896, 4864),
 }
