@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fused_swiglu import SwiGLUMLP, swiglu_mlp
+from fused_swiglu import SwiGLUMLP, swiglu_mlp, unpack_gate_up
+from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import accuracy_rows, make_problem, oracle_step, run_eager_step, run_step
 
 SAVES = ["factors", "preact", "recompute"]
@@ -74,3 +75,31 @@ def test_module_under_torch_compile(device, save, backend):
         assert torch.equal(g, e)
     with torch.no_grad():
         assert torch.equal(compiled(x), expected[0])
+
+
+@pytest.mark.parametrize("save", SAVES)
+def test_autocast_casts_like_a_matmul(device, save):
+    """fp32 weights and input under torch.autocast: the fused path runs in the autocast dtype,
+    returns it, and sends fp32 gradients back, as accurate as eager PyTorch under the same autocast."""
+    low = torch.float16 if device.type == "cpu" else torch.bfloat16  # the interpreter's bf16 dot is wrong
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+
+    def under_autocast(fn):
+        def run(x, w_gate_up, w_down):
+            with torch.autocast(device.type, dtype=low):
+                y = fn(x, w_gate_up, w_down)
+            assert y.dtype == low
+            return y
+
+        return run
+
+    def eager(x, w_gate_up, w_down):
+        w_gate, w_up = unpack_gate_up(w_gate_up)
+        return reference_swiglu_mlp(x, w_gate, w_up, w_down)
+
+    fused = run_step(under_autocast(lambda x, w, wd: swiglu_mlp(x, w, wd, save=save)), p)
+    reference = run_step(under_autocast(eager), p)
+    assert all(t.dtype == torch.float32 for k, t in fused.items() if k != "out")
+    rows = accuracy_rows(fused, reference, oracle_step(p), low)
+    failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
+    assert not failed, failed

@@ -81,7 +81,7 @@ def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     if len({t.dtype for t in named.values()}) > 1:
         got = ", ".join(f"{n} {t.dtype}" for n, t in named.items())
-        raise TypeError(f"x and the weights must share a dtype, got {got}")
+        raise TypeError(f"x and the weights must share a dtype outside torch.autocast, got {got}")
     if len({t.device for t in named.values()}) > 1:
         got = ", ".join(f"{n} on {t.device}" for n, t in named.items())
         raise ValueError(f"x and the weights must be on one device, got {got}")
@@ -103,6 +103,22 @@ def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
             f"packed gate/up weight {tuple(gate_up_weight.shape)}"
         )
     check_intermediate_size(two_inter // 2)
+
+
+def _autocast(*tensors):
+    """Inside ``torch.autocast``, cast like autocast casts a matmul's inputs: every floating tensor
+    except float64 goes to the autocast dtype (gradients flow back through the casts to the
+    original dtype). Outside it, or for arguments that are not tensors (validation reports those),
+    nothing changes."""
+    if not isinstance(tensors[0], torch.Tensor) or not torch.is_autocast_enabled(tensors[0].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+
+    def cast(t):
+        castable = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if castable else t
+
+    return tuple(cast(t) for t in tensors)
 
 
 def _training(*tensors: torch.Tensor) -> bool:
@@ -134,11 +150,13 @@ def swiglu_mlp(
     Returns:
         ``[..., hidden]``, the dtype of ``x``.
 
-    Under ``torch.no_grad()`` / ``torch.inference_mode()``, or when nothing requires grad, nothing is
-    saved. With ``"preact"``/``"factors"`` the result can be walked backward once (the backward
+    Under ``torch.autocast``, x and the weights are cast to the autocast dtype first, like a matmul's
+    inputs. Under ``torch.no_grad()`` / ``torch.inference_mode()``, or when nothing requires grad,
+    nothing is saved. With ``"preact"``/``"factors"`` the result can be walked backward once (the backward
     overwrites what was saved); ``create_graph`` is not supported.
     """
     gate_up_weight = _as_packed(gate_up_weight)
+    x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
     _validate(x, gate_up_weight, down_weight)
     check_save_mode(save)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
@@ -195,6 +213,7 @@ def swiglu_linear(
         ``[..., intermediate]``.
     """
     gate_up_weight = _as_packed(gate_up_weight)
+    x, gate_up_weight = _autocast(x, gate_up_weight)
     _validate(x, gate_up_weight)
     check_save_mode(save, LINEAR_SAVE_MODES)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
