@@ -1,6 +1,7 @@
 """fused-swiglu: Triton kernels for the SwiGLU MLP of LLaMA/Mistral/Qwen-class models."""
 
 from .functional import fused_path_available, swiglu_linear, swiglu_mlp
+from .integrations import swap_swiglu_mlps
 from .layout import CHUNK, pack_gate_up, unpack_gate_up
 from .nn import SwiGLULinear, SwiGLUMLP
 from .reference import reference_swiglu, reference_swiglu_mlp
@@ -14,6 +15,7 @@ __all__ = [
     "reference_swiglu",
     "reference_swiglu_mlp",
     "swiglu_linear",
+    "swap_swiglu_mlps",
     "swiglu_mlp",
     "unpack_gate_up",
 ]
