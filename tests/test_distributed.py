@@ -1,0 +1,62 @@
+"""SwiGLUMLP inside FSDP2 (``fully_shard``) and DDP: two CPU processes over gloo, the kernels under
+the Triton interpreter. Each rank's output and the synchronised gradients must equal an unwrapped
+copy's (gradients averaged over the ranks by hand)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, wrapper: str, save: str) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        from fused_swiglu import SwiGLUMLP
+        from fused_swiglu.testing import relative_error
+
+        torch.manual_seed(0)
+        reference = SwiGLUMLP(40, 72, save=save)
+        model = SwiGLUMLP(40, 72, save=save)
+        model.load_state_dict(reference.state_dict())
+        if wrapper == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            wrapped = model
+        else:
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        x = torch.randn(37, 40, generator=torch.Generator().manual_seed(rank))
+        y = wrapped(x)
+        y.sum().backward()
+        expected = reference(x)
+        expected.sum().backward()
+        assert relative_error(y, expected) < 1e-6
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor() if wrapper == "fsdp" else param.grad
+            averaged = dict(reference.named_parameters())[name].grad.clone()
+            dist.all_reduce(averaged)
+            assert relative_error(grad, averaged / WORLD) < 1e-6, name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("save", ["factors", "recompute"])
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_two_cpu_ranks(device, wrapper, save):
+    if device.type != "cpu":
+        pytest.skip("CPU processes over gloo; multi-GPU runs are not part of this suite")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    mp.spawn(_worker, args=(_free_port(), wrapper, save), nprocs=WORLD)
