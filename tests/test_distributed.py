@@ -1,6 +1,6 @@
 """SwiGLUMLP inside FSDP2 (``fully_shard``) and DDP: two CPU processes over gloo, the kernels under
 the Triton interpreter. Each rank's output and the synchronised gradients must equal an unwrapped
-copy's (gradients averaged over the ranks by hand)."""
+copy's (gradients averaged over the ranks by hand), and the sharded state dict must round-trip."""
 
 import os
 import socket
@@ -48,6 +48,14 @@ def _worker(rank: int, port: int, wrapper: str, save: str) -> None:
             averaged = dict(reference.named_parameters())[name].grad.clone()
             dist.all_reduce(averaged)
             assert relative_error(grad, averaged / WORLD) < 1e-6, name
+        if wrapper == "fsdp":
+            # Checkpointing: Hugging Face names, sharded like the parameters, and loadable again.
+            state, expected_state = model.state_dict(), reference.state_dict()
+            assert state.keys() == expected_state.keys()
+            for key, value in state.items():
+                assert torch.equal(value.full_tensor(), expected_state[key]), key
+            model.load_state_dict(state)
+            assert torch.equal(model.gate_up_proj.full_tensor(), reference.gate_up_proj)
     finally:
         dist.destroy_process_group()
 

@@ -20,15 +20,48 @@ from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
 _GATE, _UP, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj"
 
 
+def _dtensor():
+    """torch's DTensor class (parameters under FSDP2 / tensor parallel), or None without distributed."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    dtensor = _dtensor()
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+def _distributed_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (the same full tensor on every rank) spread the way ``like`` is, if ``like`` is a DTensor.
+
+    The packed layout interleaves 8-row chunks, so a row-sharded packed weight cannot be unpacked
+    shard by shard: the state-dict hooks go through the full tensor (checkpointing, not the step).
+    """
+    dtensor = _dtensor()
+    if dtensor is None or not isinstance(like, dtensor):
+        return t
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, like.device_mesh, like.placements)
+
+
 def _unpack_state_dict(module, state_dict, prefix, local_metadata) -> None:
     packed = state_dict.pop(prefix + _PACKED)
-    state_dict[prefix + _GATE], state_dict[prefix + _UP] = unpack_gate_up(packed.detach())
+    gate, up = unpack_gate_up(_full(packed.detach()))
+    state_dict[prefix + _GATE], state_dict[prefix + _UP] = (
+        _distributed_like(gate, packed),
+        _distributed_like(up, packed),
+    )
 
 
 def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
     gate_key, up_key = prefix + _GATE, prefix + _UP
     if gate_key in state_dict and up_key in state_dict:
-        state_dict[prefix + _PACKED] = pack_gate_up(state_dict.pop(gate_key), state_dict.pop(up_key))
+        packed = pack_gate_up(_full(state_dict.pop(gate_key)), _full(state_dict.pop(up_key)))
+        state_dict[prefix + _PACKED] = _distributed_like(packed, module.gate_up_proj)
 
 
 def _add_packed_gate_up(module: nn.Module, hidden_size: int, intermediate_size: int, factory: dict) -> None:
