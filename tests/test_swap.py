@@ -98,3 +98,10 @@ def test_transformers_llama_model():
     assert swap_swiglu_mlps(model) == ["model.layers.0.mlp", "model.layers.1.mlp"]
     with torch.no_grad():
         assert relative_error(model(ids).logits, expected) < 1e-5
+
+
+def test_meta_device_models_are_swapped_without_a_forward():
+    """Models built on the meta device (weights materialised later) swap too; there is nothing to run."""
+    model = TinyModel([LlamaLikeMLP()]).to("meta")
+    assert swap_swiglu_mlps(model) == ["layers.0.mlp"]
+    assert model.layers[0]["mlp"].gate_up_proj.device.type == "meta"

@@ -56,7 +56,8 @@ def swap_swiglu_mlps(model: nn.Module, *, save: SaveMode = DEFAULT_SAVE, check: 
 
     Swap before building the optimizer (the parameters are new objects) and before wrapping the model
     in FSDP/DDP. With ``check`` (default), each swap is first compared with the original module on a
-    few random rows, and a module whose forward is not plain SwiGLU raises ``ValueError``.
+    few random rows, and a module whose forward is not plain SwiGLU raises ``ValueError``; modules on
+    the meta device (weights not materialised yet) cannot be compared and are swapped unchecked.
     Modules that do not match the pattern (GELU gates, biases, odd sizes) are left as they are.
     """
     check_save_mode(save)
@@ -67,7 +68,7 @@ def swap_swiglu_mlps(model: nn.Module, *, save: SaveMode = DEFAULT_SAVE, check: 
         if not name:
             raise ValueError("fused_swiglu: the model itself is an MLP; use SwiGLUMLP.from_mlp(model)")
         fused = SwiGLUMLP.from_mlp(module, save=save)
-        if check:
+        if check and fused.down_proj.weight.device.type != "meta":  # meta weights hold no values
             _check_same_function(name, module, fused)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, fused)
