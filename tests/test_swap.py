@@ -28,6 +28,19 @@ class GateOnUp(LlamaLikeMLP):
         return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
 
 
+class ScaledLinear(nn.Linear):
+    """A Linear subclass that computes more than x @ W^T (as adapters and quantized layers do)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class LoraLikeMLP(LlamaLikeMLP):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = ScaledLinear(40, 72, bias=False)
+
+
 class TinyModel(nn.Module):
     def __init__(self, mlps):
         super().__init__()
@@ -63,6 +76,7 @@ def test_swaps_every_llama_mlp_and_keeps_the_function(device):
         pytest.param(LlamaLikeMLP(act=nn.GELU()), id="gelu"),
         pytest.param(LlamaLikeMLP(bias=True), id="bias"),
         pytest.param(LlamaLikeMLP(inter=70), id="intermediate-not-multiple-of-8"),
+        pytest.param(LoraLikeMLP(), id="linear-subclass"),
     ],
 )
 def test_leaves_other_mlps_alone(mlp):

@@ -20,9 +20,13 @@ def _is_silu(act) -> bool:
 
 def llama_mlp_pattern(module: nn.Module) -> bool:
     """Whether ``module`` looks like transformers' ``LlamaMLP``: bias-free ``gate_proj``/``up_proj``
-    [I, H] and ``down_proj`` [H, I] Linears, an ``act_fn`` that is SiLU, and I a multiple of 8."""
+    [I, H] and ``down_proj`` [H, I] ``nn.Linear`` (not subclasses), an ``act_fn`` that is SiLU, and I
+    a multiple of 8."""
     linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if isinstance(module, SwiGLUMLP) or not all(isinstance(m, nn.Linear) and m.bias is None for m in linears):
+    # Exactly nn.Linear: subclasses (quantized layers, adapter wrappers) hold weights that are not a
+    # plain floating-point matrix, or compute more than x @ W^T.
+    plain = all(type(m) is nn.Linear and m.bias is None and m.weight.is_floating_point() for m in linears)
+    if isinstance(module, SwiGLUMLP) or not plain:
         return False
     gate, up, down = (m.weight for m in linears)
     inter, hidden = gate.shape
