@@ -25,6 +25,9 @@ class Saved(enum.IntEnum):
 INTERPRETER_PROGRAMS = 3
 
 
+# Fixed for the process (read at import), so torch.compile may treat it as a constant instead of
+# breaking its graph on Triton's C++ knob lookup.
+@torch.compiler.assume_constant_result
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
     return bool(triton.knobs.runtime.interpret)
