@@ -115,3 +115,14 @@ def test_transformers_llama_mlp_state_dict_loads():
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         assert relative_error(mlp(x), hf(x)) < 1e-5
+
+
+def test_from_mlp_keeps_frozen_weights_frozen():
+    hf = HFStyleMLP(40, 72)
+    hf.gate_proj.weight.requires_grad_(False)
+    hf.up_proj.weight.requires_grad_(False)
+    mlp = SwiGLUMLP.from_mlp(hf)
+    assert not mlp.gate_up_proj.requires_grad and mlp.down_proj.weight.requires_grad
+    hf.up_proj.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="both"):
+        SwiGLUMLP.from_mlp(hf)

@@ -119,3 +119,12 @@ def test_meta_device_models_are_swapped_without_a_forward():
     model = TinyModel([LlamaLikeMLP()]).to("meta")
     assert swap_swiglu_mlps(model) == ["layers.0.mlp"]
     assert model.layers[0]["mlp"].gate_up_proj.device.type == "meta"
+
+
+def test_swapping_leaves_the_global_random_stream_alone():
+    model = TinyModel([LlamaLikeMLP()])
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    swap_swiglu_mlps(model)
+    assert torch.equal(torch.rand(3), expected)

@@ -42,7 +42,9 @@ def _check_same_function(name: str, old: nn.Module, new: SwiGLUMLP) -> None:
     """A module can match the pattern and still compute something else in its forward (an extra
     term, a dropout): compare the two on a few random rows and refuse the swap if they disagree."""
     weight = new.down_proj.weight
-    x = torch.randn(4, new.hidden_size, device=weight.device, dtype=weight.dtype)
+    # A private generator: swapping must not move the caller's random stream.
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(4, new.hidden_size, device=weight.device, dtype=weight.dtype, generator=generator)
     with torch.no_grad():
         expected, got = old(x).float(), new(x).float()
     error = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()

@@ -122,11 +122,20 @@ class SwiGLUMLP(nn.Module):
     @classmethod
     def from_mlp(cls, mlp: nn.Module, **kwargs) -> SwiGLUMLP:
         """Build from a module with ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` children
-        (e.g. ``LlamaMLP``), copying its weights. ``kwargs`` go to the constructor."""
+        (e.g. ``LlamaMLP``), copying its weights and whether each is trainable. ``kwargs`` go to the
+        constructor."""
         inter, hidden = mlp.gate_proj.weight.shape
         weight = mlp.gate_proj.weight
-        new = cls(hidden, inter, device=weight.device, dtype=weight.dtype, **kwargs)
+        # Built on the meta device and then given memory: no random initialisation that the copy
+        # would overwrite anyway (it would cost time and move the caller's random stream).
+        new = cls(hidden, inter, device="meta", dtype=weight.dtype, **kwargs).to_empty(device=weight.device)
         new.load_state_dict(mlp.state_dict())
+        # Frozen weights stay frozen; one packed parameter cannot hold a frozen and a trainable half.
+        gate_trains, up_trains = mlp.gate_proj.weight.requires_grad, mlp.up_proj.weight.requires_grad
+        if gate_trains != up_trains:
+            raise ValueError("gate_proj and up_proj must both be trainable or both frozen to be packed")
+        new.gate_up_proj.requires_grad_(gate_trains)
+        new.down_proj.weight.requires_grad_(mlp.down_proj.weight.requires_grad)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
