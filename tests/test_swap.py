@@ -85,12 +85,20 @@ def test_leaves_other_mlps_alone(mlp):
     assert model.layers[0]["mlp"] is mlp
 
 
-def test_refuses_a_module_whose_forward_is_not_swiglu():
-    model = TinyModel([GateOnUp()])
+def test_refuses_a_module_whose_forward_is_not_swiglu_and_swaps_nothing():
+    model = TinyModel([LlamaLikeMLP(), GateOnUp()])
     with pytest.raises(ValueError, match="differs from SwiGLU"):
         swap_swiglu_mlps(model)
-    assert isinstance(model.layers[0]["mlp"], GateOnUp)
-    assert swap_swiglu_mlps(model, check=False) == ["layers.0.mlp"]  # the caller's responsibility
+    assert isinstance(model.layers[0]["mlp"], LlamaLikeMLP)  # nothing half-done
+    assert isinstance(model.layers[1]["mlp"], GateOnUp)
+    assert swap_swiglu_mlps(model, check=False) == ["layers.0.mlp", "layers.1.mlp"]  # the caller's call
+
+
+def test_refuses_half_frozen_gate_and_up():
+    mlp = LlamaLikeMLP()
+    mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="both"):
+        swap_swiglu_mlps(TinyModel([mlp]))
 
 
 def test_rejects_the_model_being_the_mlp_itself_and_bad_modes():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import DEFAULT_SAVE, SaveMode, check_save_mode
-from .layout import CHUNK
+from .functional import DEFAULT_SAVE, SaveMode, check_save_mode, swiglu_mlp
+from .layout import CHUNK, pack_gate_up
 from .nn import SwiGLUMLP
 
 # Activation modules that compute SiLU: torch's, and the name transformers has used for its own.
@@ -38,45 +38,51 @@ def llama_mlp_pattern(module: nn.Module) -> bool:
     )
 
 
-def _check_same_function(name: str, old: nn.Module, new: SwiGLUMLP) -> None:
-    """A module can match the pattern and still compute something else in its forward (an extra
-    term, a dropout): compare the two on a few random rows and refuse the swap if they disagree."""
-    weight = new.down_proj.weight
+def _check_swappable(name: str, module: nn.Module, check: bool) -> None:
+    """Everything that could refuse a swap, checked before any module is replaced, so that a refusal
+    leaves the model as it was. A module can match the pattern and still compute something else in
+    its forward (an extra term, a dropout): with ``check``, compare it with the fused function on a
+    few random rows (one module at a time, so the extra memory is one packed weight)."""
+    if module.gate_proj.weight.requires_grad != module.up_proj.weight.requires_grad:
+        raise ValueError(f"fused_swiglu: {name}: gate_proj and up_proj must both be trainable or both frozen")
+    weight = module.down_proj.weight
+    if not check or weight.device.type == "meta":  # meta weights hold no values to compare
+        return
     # A private generator: swapping must not move the caller's random stream.
     generator = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(4, new.hidden_size, device=weight.device, dtype=weight.dtype, generator=generator)
+    x = torch.randn(4, weight.shape[0], device=weight.device, dtype=weight.dtype, generator=generator)
     with torch.no_grad():
-        expected, got = old(x).float(), new(x).float()
+        expected = module(x).float()
+        packed = pack_gate_up(module.gate_proj.weight, module.up_proj.weight)
+        got = swiglu_mlp(x, packed, weight).float()
     error = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 3e-2
+    # Loose enough for TF32 and 16-bit rounding on either side; a different function is off by O(1).
+    tolerance = {torch.float64: 1e-6, torch.float32: 5e-3}.get(weight.dtype, 3e-2)
     if not error <= tolerance:
         raise ValueError(
-            f"fused_swiglu: {name} ({type(old).__name__}) matches the LlamaMLP pattern but its forward "
-            f"differs from SwiGLU (relative difference {error:.2e}); it was not swapped"
+            f"fused_swiglu: {name} ({type(module).__name__}) matches the LlamaMLP pattern but its forward "
+            f"differs from SwiGLU (relative difference {error:.2e}); nothing was swapped"
         )
 
 
 def swap_swiglu_mlps(model: nn.Module, *, save: SaveMode = DEFAULT_SAVE, check: bool = True) -> list[str]:
     """Replace, in place, every submodule of ``model`` with the LlamaMLP pattern by a ``SwiGLUMLP``
-    holding the same weights (same device and dtype), and return their names.
+    holding the same weights (same device and dtype, frozen where they were), and return their names.
 
     Swap before building the optimizer (the parameters are new objects) and before wrapping the model
-    in FSDP/DDP. With ``check`` (default), each swap is first compared with the original module on a
-    few random rows, and a module whose forward is not plain SwiGLU raises ``ValueError``; modules on
-    the meta device (weights not materialised yet) cannot be compared and are swapped unchecked.
-    Modules that do not match the pattern (GELU gates, biases, odd sizes) are left as they are.
+    in FSDP/DDP. With ``check`` (default), every candidate is first compared with the fused function
+    on a few random rows; if any forward is not plain SwiGLU, ``ValueError`` is raised and nothing is
+    swapped. Modules on the meta device (weights not materialised yet) cannot be compared and are
+    swapped unchecked. Modules that do not match the pattern (GELU gates, biases, Linear subclasses,
+    odd sizes) are left as they are.
     """
     check_save_mode(save)
-    swapped = []
-    for name, module in list(model.named_modules()):
-        if not llama_mlp_pattern(module):
-            continue
-        if not name:
-            raise ValueError("fused_swiglu: the model itself is an MLP; use SwiGLUMLP.from_mlp(model)")
-        fused = SwiGLUMLP.from_mlp(module, save=save)
-        if check and fused.down_proj.weight.device.type != "meta":  # meta weights hold no values
-            _check_same_function(name, module, fused)
+    candidates = [(name, module) for name, module in model.named_modules() if llama_mlp_pattern(module)]
+    if any(not name for name, _ in candidates):
+        raise ValueError("fused_swiglu: the model itself is an MLP; use SwiGLUMLP.from_mlp(model)")
+    for name, module in candidates:
+        _check_swappable(name, module, check)
+    for name, module in candidates:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, fused)
-        swapped.append(name)
-    return swapped
+        setattr(model.get_submodule(parent_name), child, SwiGLUMLP.from_mlp(module, save=save))
+    return [name for name, _ in candidates]
