@@ -3,13 +3,15 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_forward import glu_forward
-from fused_swiglu.layout import split_packed_columns
+from fused_swiglu.layout import CHUNK, split_packed_columns
 from fused_swiglu.testing import make_problem, relative_error, unit_roundoff
 
 MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id="mult0.7-1.3")]
@@ -161,3 +163,21 @@ def test_activation_kernel(shape, dtype, device, multipliers):
 def test_activation_kernel_rejects_unpacked_input(device):
     with pytest.raises(ValueError, match="packed"):
         glu_activation(torch.zeros(4, 24, device=device), gate_scale=1.0, out_scale=1.0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    chunks=st.integers(1, 7),
+    gate_scale=st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3),  # away from fp32 subnormal results
+    out_scale=st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3),
+)
+def test_activation_kernel_on_random_packed_shapes(device, rows, chunks, gate_scale, out_scale):
+    """Any row count and any intermediate size that is whole chunks (tile edges anywhere)."""
+    inter = chunks * CHUNK
+    h = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows * 31 + chunks)).to(device)
+    up, gate = split_packed_columns(h.double())
+    g = gate_scale * gate
+    expected = out_scale * F.silu(g) * up
+    a = glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
+    assert relative_error(a, expected) < 1e-6
