@@ -3,11 +3,19 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fused_swiglu import SwiGLUMLP, swiglu_mlp, unpack_gate_up
+from fused_swiglu import SwiGLUMLP, swiglu_linear, swiglu_mlp, unpack_gate_up
 from fused_swiglu.reference import reference_swiglu_mlp
-from fused_swiglu.testing import accuracy_rows, make_problem, oracle_step, run_eager_step, run_step
+from fused_swiglu.testing import (
+    accuracy_rows,
+    make_problem,
+    oracle_step,
+    relative_error,
+    run_eager_step,
+    run_step,
+)
 
 SAVES = ["factors", "preact", "recompute"]
 
@@ -103,3 +111,17 @@ def test_autocast_casts_like_a_matmul(device, save):
     rows = accuracy_rows(fused, reference, oracle_step(p), low)
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
+
+
+def test_glu_operator_under_autocast(device):
+    low = torch.float16 if device.type == "cpu" else torch.bfloat16
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x, w = p.x.clone().requires_grad_(), p.w_gate_up.clone().requires_grad_()
+    with torch.autocast(device.type, dtype=low):
+        a = swiglu_linear(x, w)
+    assert a.dtype == low
+    a.backward(p.da.to(low))
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    with torch.no_grad():
+        g, u = x @ p.w_gate.t(), x @ p.w_up.t()
+        assert relative_error(a, F.silu(g) * u) < 1e-2
