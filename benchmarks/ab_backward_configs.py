@@ -19,15 +19,10 @@ from triton.testing import do_bench
 
 import fused_swiglu.kernels.glu_backward as glu_backward
 from fused_swiglu.bench.impls import GemmFloor
+from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.configs import TileConfig
 from fused_swiglu.nn import SwiGLUMLP
 
-SHAPES = {
-    "llama3-8b": (8192, 4096, 14336),
-    "qwen2.5-7b": (8192, 3584, 18944),
-    "llama2-7b": (4096, 4096, 11008),
-    "qwen2.5-0.5b": (16384, 896, 4864),
-}
 C = TileConfig
 VARIANTS = {
     "128x128 e2 flat": C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig
 from fused_swiglu.kernels.glu_activation import glu_activation
@@ -28,12 +29,6 @@ from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.layout import split_packed_columns
 from fused_swiglu.testing import make_problem, relative_error
 
-SHAPES = {
-    "llama3-8b": (8192, 4096, 14336),
-    "qwen2.5-7b": (8192, 3584, 18944),
-    "llama2-7b": (4096, 4096, 11008),
-    "qwen2.5-0.5b": (16384, 896, 4864),
-}
 C = TileConfig
 FORWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),

@@ -169,13 +169,17 @@ def swiglu_mlp(
             x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
         )
     else:
-        y = _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
+        y = _fused(_fused_mlp)(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
     return y.reshape(*x.shape[:-1], hidden)
 
 
-# torch.compile runs the fused kernels as they are, behind a graph break: Dynamo would otherwise trace
-# into the Triton launchers, and the in-place backward has no functional form for it to capture.
-@torch.compiler.disable
+def _fused(fn):
+    """``fn``, or under torch.compile ``fn`` behind a graph break: Dynamo would otherwise trace into
+    the Triton launchers, and the in-place backward has no functional form for it to capture. Only
+    when compiling, because ``torch.compiler.disable`` imports Dynamo (about a second)."""
+    return torch.compiler.disable(fn) if torch.compiler.is_compiling() else fn
+
+
 def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
     if _training(x2d, gate_up_weight, down_weight):
@@ -184,7 +188,6 @@ def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplie
     return swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
 
 
-@torch.compiler.disable
 def _fused_linear(x2d, gate_up_weight, gate_multiplier, save):
     x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
     if _training(x2d, gate_up_weight):
@@ -222,5 +225,5 @@ def swiglu_linear(
     if not fused_path_available(x2d, gate_up_weight):
         a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
     else:
-        a = _fused_linear(x2d, gate_up_weight, gate_multiplier, save)
+        a = _fused(_fused_linear)(x2d, gate_up_weight, gate_multiplier, save)
     return a.reshape(*x.shape[:-1], two_inter // 2)

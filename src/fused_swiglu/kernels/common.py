@@ -25,12 +25,14 @@ class Saved(enum.IntEnum):
 INTERPRETER_PROGRAMS = 3
 
 
-# Fixed for the process (read at import), so torch.compile may treat it as a constant instead of
-# breaking its graph on Triton's C++ knob lookup.
-@torch.compiler.assume_constant_result
+# Triton decides at import whether kernels run in its interpreter, so this is read once: launchers
+# ask on every call (host time counts at decode sizes), and torch.compile sees a plain constant.
+_INTERPRETING = bool(triton.knobs.runtime.interpret)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return bool(triton.knobs.runtime.interpret)
+    return _INTERPRETING
 
 
 def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

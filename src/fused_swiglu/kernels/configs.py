@@ -66,9 +66,9 @@ class TileConfig:
 
 #: Inference with at most this many rows runs cuBLAS's x @ W_packed^T plus a small activation pass
 #: instead of the fused kernel. Measured on the H200 (raw/sweep-decode.log) against the GEMM alone:
-#: at M=1 the cuBLAS path took 1.03-1.04x and the fused kernel 1.24-1.26x; at M=16 each won at one
-#: of two shapes; at M=64 the fused kernel was as fast or faster. Sizes between 1 and 16 are not
-#: measured yet; 8 is the cut until they are.
+#: at M=1 the cuBLAS path took 1.03-1.04x and the fused kernel 1.24-1.26x; at M=16 and at M=64
+#: each won at one of the two shapes. Sizes between 1 and 16 are not measured yet; 8 is the cut
+#: until they are.
 CUBLAS_DECODE_ROWS = 8
 
 
@@ -110,7 +110,7 @@ def backward_config(
 ) -> TileConfig:
     """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``).
 
-    A [128, 256] accumulator, as wide as the forward's: it ran the kernel 1.11-1.13x the cuBLAS GEMM
+    A [128, 256] accumulator, as wide as the forward's: it ran the kernel 1.07-1.13x the cuBLAS GEMM
     at llama3-8b and llama2-7b against 1.32-1.37x for [128, 128] (raw/sweep-wide.log). Its epilogue
     walks the [128, 512] saved tile in four pieces, so three pipeline stages still fit. The flattened
     persistent loop helps with saved pre-activations and at a short reduction (hidden <= 1024), and
