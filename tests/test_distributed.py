@@ -3,7 +3,6 @@ the Triton interpreter. Each rank's output and the synchronised gradients must e
 copy's (gradients averaged over the ranks by hand), and the sharded state dict must round-trip."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,15 +12,10 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, wrapper: str, save: str) -> None:
+def _worker(rank: int, store_file: str, wrapper: str, save: str) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    # A file store, not TCP: no port to pick, so no race with a port another test just released.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
     try:
         from fused_swiglu import SwiGLUMLP
         from fused_swiglu.testing import relative_error
@@ -62,9 +56,9 @@ def _worker(rank: int, port: int, wrapper: str, save: str) -> None:
 
 @pytest.mark.parametrize("save", ["factors", "recompute"])
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
-def test_two_cpu_ranks(device, wrapper, save):
+def test_two_cpu_ranks(device, wrapper, save, tmp_path):
     if device.type != "cpu":
         pytest.skip("CPU processes over gloo; multi-GPU runs are not part of this suite")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(_free_port(), wrapper, save), nprocs=WORLD)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save), nprocs=WORLD)
