@@ -72,9 +72,9 @@ def attempt(row: dict, fn) -> None:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:140]}"
 
 
-def sweep_decode(name: str, h: int, i: int, reps: int, rows: list) -> None:
+def sweep_decode(name: str, h: int, i: int, reps: int, rows: list, batch_sizes) -> None:
     """Inference forward at decode batch sizes against cuBLAS x @ W_packed^T alone, and + silu * mul."""
-    for m in DECODE_ROWS:
+    for m in batch_sizes:
         p = make_problem(m, h, i, dtype=torch.bfloat16, device="cuda", seed=1)
         wp = p.w_gate_up.contiguous()
         ref_a = F.silu(p.x.float() @ p.w_gate.float().t()) * (p.x.float() @ p.w_up.float().t())
@@ -200,6 +200,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--kernels", nargs="*", default=["forward", "backward"], choices=["forward", "backward"])
     ap.add_argument("--decode", nargs="*", default=[], choices=list(SHAPES), help="shapes at decode sizes")
+    ap.add_argument("--decode-rows", nargs="+", type=int, default=list(DECODE_ROWS), help="decode rows")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="sweep.json")
     args = ap.parse_args()
@@ -210,7 +211,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for name in args.decode:
-        sweep_decode(name, *SHAPES[name][1:], args.reps, rows)
+        sweep_decode(name, *SHAPES[name][1:], args.reps, rows, args.decode_rows)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
