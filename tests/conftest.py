@@ -47,7 +47,8 @@ def _poisoned(factory):
     def make(*args, **kwargs):
         t = factory(*args, **kwargs)
         if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
+            with torch.no_grad():  # e.g. torch.utils.checkpoint's empty leaf that requires grad
+                t.fill_(float("nan"))
         return t
 
     return make

@@ -1,5 +1,7 @@
 """The two kernel launchers against formulas in float64, with eager PyTorch's same-dtype error as the bar."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,30 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
     else:
         eager_a = (dm * silu64 * u64).to(dtype)
         assert_like_eager(recomputed, eager_a, a64, dtype, "recomputed a")
+
+
+@pytest.mark.gpu
+def test_backward_kernel_runs_first_in_a_fresh_thread(device):
+    """Autograd runs the backward on a thread of its own, where the fused kernel may be the first CUDA
+    work: its host TMA descriptors need a current CUDA context there too."""
+    p = make_problem(64, 40, 72, dtype=torch.float32, device=device)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    expected = saved.clone()
+    glu_backward_(p.dy, p.w_down, expected, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS)
+    errors = []
+
+    def launch():
+        try:
+            glu_backward_(p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS)
+        except Exception as e:  # noqa: BLE001 - reported by the test's own thread below
+            errors.append(e)
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(saved, expected, rtol=0, atol=0)  # same kernel, same config: bitwise
 
 
 def test_backward_kernel_needs_something_saved(device):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 
 import torch
 import triton
@@ -52,7 +53,29 @@ def persistent_programs(num_tiles: int, device: torch.device, per_sm: int = 1) -
     return max(1, min(num_tiles, INTERPRETER_PROGRAMS))
 
 
+_thread_state = threading.local()
+
+
+def _bind_cuda_context(device: torch.device) -> None:
+    """Make the device's primary CUDA context current in this thread, once per thread and device.
+
+    Triton encodes a host ``TensorDescriptor`` through the CUDA driver before the launch itself makes
+    a context current, and a thread that has not called the CUDA runtime yet has none: autograd's
+    device thread when the fused backward is the first thing it runs, or any fresh user thread. The
+    encode then fails with "invalid device context". Any runtime call binds the primary context.
+    """
+    bound = getattr(_thread_state, "cuda_devices", None)
+    if bound is None:
+        bound = _thread_state.cuda_devices = set()
+    if device.index not in bound:
+        torch.cuda.current_stream(device).query()
+        bound.add(device.index)
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host-side TMA descriptor of ``t`` with tiles of ``block``."""
+    if t.is_cuda:
+        _bind_cuda_context(t.device)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
