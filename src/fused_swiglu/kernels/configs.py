@@ -65,11 +65,12 @@ class TileConfig:
 
 
 #: Inference with at most this many rows runs cuBLAS's x @ W_packed^T plus a small activation pass
-#: instead of the fused kernel. Measured on the H200 (raw/sweep-decode.log) against the GEMM alone:
-#: at M=1 the cuBLAS path took 1.03-1.04x and the fused kernel 1.24-1.26x; at M=16 and at M=64
-#: each won at one of the two shapes. Sizes between 1 and 16 are not measured yet; 8 is the cut
-#: until they are.
-CUBLAS_DECODE_ROWS = 8
+#: instead of the fused kernel. Measured on the H200 against the GEMM alone (raw/sweep-decode-rows.log,
+#: llama3-8b and qwen2.5-7b, M = 1..64): the cuBLAS path took 1.03-1.17x up to 24 rows, where the
+#: fused kernel took 1.13-1.37x. Above that it is mixed: at 32 rows each won at one shape; at 48 and
+#: 64 rows the fused kernel won at llama3-8b (1.02-1.04x against 1.07-1.09x) and lost at qwen2.5-7b
+#: (1.10-1.11x against 1.06x).
+CUBLAS_DECODE_ROWS = 24
 
 
 def inference_uses_cublas(m: int) -> bool:
