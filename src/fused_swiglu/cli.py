@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MLP_SAVES = ("factors", "preact", "recompute")
+TIMING_ROUNDS = 4
 GLU_SAVES = ("factors", "recompute")
 
 
@@ -123,21 +125,33 @@ def _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table) -> N
         return reference_swiglu_mlp(x, w_gate, w_up, w_down, gate_multiplier=gm, down_multiplier=dm)
 
     impls = {f"fused ({s})": fused(s) for s in MLP_SAVES} | {"eager PyTorch": eager}
-    rows = []
+    first: dict[str, float] = {}
     for name, forward in impls.items():
-
-        def step(forward=forward):
-            forward().backward(problem.dy)
-
         t0 = time.perf_counter()
-        step()
+        forward().backward(problem.dy)
         torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        step_ms = do_bench(step, return_mode="median", grad_to_none=[x, w_gate_up, w_gate, w_up, w_down])
-        with torch.no_grad():
-            fwd_ms = do_bench(forward, return_mode="median")
-        rows.append([name, step_ms, fwd_ms, first])
-    print("timings (median ms, CUDA events)")
+        first[name] = time.perf_counter() - t0
+    # One timing of each, back to back, swings by up to 20% with what ran just before (measured on
+    # the H200), so the order rotates every round and each figure is the median over the rounds.
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
+    names = list(impls)
+    for rotation in range(TIMING_ROUNDS):
+        shift = rotation % len(names)
+        for name in names[shift:] + names[:shift]:
+            forward = impls[name]
+            step_ms = do_bench(
+                lambda forward=forward: forward().backward(problem.dy),
+                return_mode="median",
+                grad_to_none=[x, w_gate_up, w_gate, w_up, w_down],
+            )
+            with torch.no_grad():
+                fwd_ms = do_bench(forward, return_mode="median")
+            samples[name].append((step_ms, fwd_ms))
+    rows = [
+        [name, statistics.median(s for s, _ in runs), statistics.median(f for _, f in runs), first[name]]
+        for name, runs in samples.items()
+    ]
+    print(f"timings (ms, CUDA events, median of {TIMING_ROUNDS} rounds in rotating order; peers: `bench`)")
     print(format_table(["impl", "fwd+bwd", "no_grad fwd", "first call s"], rows))
     print()
 
