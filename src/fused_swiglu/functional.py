@@ -125,6 +125,23 @@ def _training(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _eager_under_compile(fn):
+    """``fn`` as is, or under torch.compile run eagerly behind one graph break: Dynamo would otherwise
+    trace the validation and dispatch (and warn about their cached helpers) and then the Triton
+    launchers, and the in-place backward has no functional form for it to capture. The check is made
+    per call because ``torch.compiler.disable`` imports Dynamo (about a second) and only a compiling
+    caller needs it."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@_eager_under_compile
 def swiglu_mlp(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -169,15 +186,8 @@ def swiglu_mlp(
             x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
         )
     else:
-        y = _fused(_fused_mlp)(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
+        y = _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
     return y.reshape(*x.shape[:-1], hidden)
-
-
-def _fused(fn):
-    """``fn``, or under torch.compile ``fn`` behind a graph break: Dynamo would otherwise trace into
-    the Triton launchers, and the in-place backward has no functional form for it to capture. Only
-    when compiling, because ``torch.compiler.disable`` imports Dynamo (about a second)."""
-    return torch.compiler.disable(fn) if torch.compiler.is_compiling() else fn
 
 
 def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
@@ -195,6 +205,7 @@ def _fused_linear(x2d, gate_up_weight, gate_multiplier, save):
     return swiglu_linear_no_grad(x2d, gate_up_weight, gate_multiplier)
 
 
+@_eager_under_compile
 def swiglu_linear(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -225,5 +236,5 @@ def swiglu_linear(
     if not fused_path_available(x2d, gate_up_weight):
         a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
     else:
-        a = _fused(_fused_linear)(x2d, gate_up_weight, gate_multiplier, save)
+        a = _fused_linear(x2d, gate_up_weight, gate_multiplier, save)
     return a.reshape(*x.shape[:-1], two_inter // 2)
