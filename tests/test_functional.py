@@ -1,6 +1,8 @@
 """swiglu_mlp end to end: training and inference paths, dispatch, fallback, and every error path."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -189,3 +191,14 @@ def _bad_calls():
 def test_bad_input_raises(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         swiglu_mlp(*args, **kwargs)
+
+
+def test_import_and_call_leave_dynamo_unloaded():
+    """Importing torch._dynamo costs about a second: an eager user of the library never pays it."""
+    code = (
+        "import sys, torch; from fused_swiglu import swiglu_mlp; "
+        "swiglu_mlp(torch.randn(4, 16), torch.randn(32, 16), torch.randn(16, 16)); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
