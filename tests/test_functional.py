@@ -11,6 +11,7 @@ import fused_swiglu.autograd as autograd_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import inference_uses_cublas
+from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
     accuracy_rows,
     make_problem,
@@ -202,3 +203,20 @@ def test_import_and_call_leave_dynamo_unloaded():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("save", SAVES)
+def test_tensors_on_a_device_that_is_not_current(save):
+    """Training and inference with every tensor on the second GPU while the first is current."""
+    multipliers = {"gate_multiplier": 0.5, "down_multiplier": 2.0}
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=torch.device("cuda", 1), **multipliers)
+    assert torch.cuda.current_device() == 0
+    rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), torch.float32)
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+    with torch.no_grad():
+        for m in (5, 37):  # the decode path and the fused inference kernel
+            y = swiglu_mlp(p.x[:m], p.w_gate_up, p.w_down, **multipliers)
+            expected = reference_swiglu_mlp(p.x[:m], p.w_gate, p.w_up, p.w_down, **multipliers)
+            assert relative_error(y, expected) < 1e-5

@@ -190,6 +190,22 @@ def swiglu_mlp(
     return y.reshape(*x.shape[:-1], hidden)
 
 
+def _on_tensor_device(fn):
+    """Triton launches on the current CUDA device whatever device the tensors are on, so a call with
+    tensors elsewhere (no ``torch.cuda.set_device`` first) makes their device current around the
+    forward. Autograd already runs the backward with the tensors' device current."""
+
+    @functools.wraps(fn)
+    def call(x2d, *args):
+        if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x2d.device):
+                return fn(x2d, *args)
+        return fn(x2d, *args)
+
+    return call
+
+
+@_on_tensor_device
 def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
     if _training(x2d, gate_up_weight, down_weight):
@@ -198,6 +214,7 @@ def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplie
     return swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
 
 
+@_on_tensor_device
 def _fused_linear(x2d, gate_up_weight, gate_multiplier, save):
     x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
     if _training(x2d, gate_up_weight):
