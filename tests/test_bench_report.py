@@ -55,3 +55,50 @@ def test_plots_are_written(tmp_path):
     paths = write_plots(tmp_path, {"tiny": ROWS, "tiny2": ROWS})
     assert [p.name for p in paths] == ["step_vs_floor.png", "memory.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_decode_table_puts_batch_sizes_across():
+    from fused_swiglu.bench.decode import decode_table
+
+    rows = [
+        {"M": 1, "impl": "floor", "no_grad_fwd_ms": 0.1, "no_grad_fwd_vs_floor": 1.0},
+        {"M": 1, "impl": "fused", "no_grad_fwd_ms": 0.105, "no_grad_fwd_vs_floor": 1.05},
+        {"M": 16, "impl": "floor", "no_grad_fwd_ms": 0.2, "no_grad_fwd_vs_floor": 1.0},
+        {"M": 16, "impl": "fused", "no_grad_fwd_ms": 0.19, "no_grad_fwd_vs_floor": 0.95},
+        {"M": 1, "impl": "liger", "missing": "liger-kernel is not installed"},
+    ]
+    lines = decode_table(rows, markdown=True).splitlines()
+    assert "M=1 us (vs floor)" in lines[0] and "M=16 us (vs floor)" in lines[0]
+    fused = next(line for line in lines if line.startswith("| fused"))
+    assert "105.0 (1.05x)" in fused and "190.0 (0.95x)" in fused
+    assert "missing" in next(line for line in lines if line.startswith("| liger"))
+
+
+def test_inference_only_measures_the_no_grad_forward_in_rotating_order(monkeypatch):
+    """The timing loop without a GPU: do_bench replaced by a call that returns each impl's cost."""
+    import torch
+
+    from fused_swiglu.bench import measure
+    from fused_swiglu.bench.impls import Impl
+
+    calls = []
+
+    def fake(name, ms):
+        def forward():
+            calls.append((name, torch.is_grad_enabled()))
+            return torch.tensor(ms)
+
+        return Impl(name, forward, step=lambda: pytest.fail("an inference-only run ran a backward"))
+
+    monkeypatch.setattr(measure, "do_bench", lambda fn, **_: float(fn()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    impls = [fake("floor", 2.0), fake("fused", 1.0), ("liger", "not installed")]
+    rows = measure.measure_impls(impls, None, 0.0, reps=3, log=lambda _: None, inference_only=True)
+
+    by_name = {r["impl"]: r for r in rows}
+    assert by_name["fused"]["no_grad_fwd_ms"] == 1.0 and by_name["fused"]["no_grad_fwd_vs_floor"] == 0.5
+    assert "step_ms" not in by_name["fused"] and "peak_mib" not in by_name["fused"]
+    assert by_name["liger"]["missing"] == "not installed"
+    assert not any(grad for _, grad in calls)
+    timed = [name for name, _ in calls[2:]]  # after the two first calls
+    assert timed == ["floor", "fused", "fused", "floor", "floor", "fused"]

@@ -57,9 +57,11 @@ def measure_impls(
     *,
     reps: int,
     log: Callable[[str], None] = print,
+    inference_only: bool = False,
 ) -> list[dict]:
     """First call, memory and interleaved timings of ``impls`` (a ``(name, reason)`` pair marks a
-    missing one); the first implementation named ``floor`` is the reference for the ratios."""
+    missing one); the first implementation named ``floor`` is the reference for the ratios.
+    ``inference_only`` times the no_grad forward alone (first call included), without memory."""
     rows: dict[str, dict] = {}
     ready: list[Impl] = []
     for impl in impls:
@@ -69,7 +71,7 @@ def measure_impls(
             continue
         t0 = time.perf_counter()
         try:
-            impl.step()
+            _no_grad(impl.forward)() if inference_only else impl.step()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the run goes on
             rows[impl.name] = {"impl": impl.name, "missing": f"failed: {type(e).__name__}: {e}"[:200]}
@@ -78,7 +80,7 @@ def measure_impls(
         first = time.perf_counter() - t0
         _clear_grads(impl)
         row = {"impl": impl.name, "first_call_s": first}
-        if impl.measures_memory:
+        if impl.measures_memory and not inference_only:
             row["kept_mib"], row["peak_mib"] = _memory(impl, grad_out)
         rows[impl.name] = row
         ready.append(impl)
@@ -90,11 +92,10 @@ def measure_impls(
         # measurably slower (a few percent), and no implementation should always take that place.
         shift = rep % max(1, len(ready))
         for impl in ready[shift:] + ready[:shift]:
-            metrics = {
-                "step_ms": (impl.step, impl.params),
-                "fwd_ms": (impl.forward, []),
-                "no_grad_fwd_ms": (_no_grad(impl.forward), []),
-            }
+            metrics = {}
+            if not inference_only:
+                metrics = {"step_ms": (impl.step, impl.params), "fwd_ms": (impl.forward, [])}
+            metrics["no_grad_fwd_ms"] = (_no_grad(impl.forward), [])
             for metric, (fn, grads) in metrics.items():
                 t = do_bench(fn, warmup=25, rep=100, grad_to_none=grads or None, return_mode="median")
                 samples.setdefault((impl.name, metric), []).append(t)
@@ -106,9 +107,9 @@ def measure_impls(
     for row in rows.values():
         if "step_ms" in row:
             row["tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
-            for metric in ("step_ms", "fwd_ms", "no_grad_fwd_ms"):
-                if metric in floor:
-                    row[metric.removesuffix("_ms") + "_vs_floor"] = row[metric] / floor[metric]
+        for metric in ("step_ms", "fwd_ms", "no_grad_fwd_ms"):
+            if metric in row and metric in floor:
+                row[metric.removesuffix("_ms") + "_vs_floor"] = row[metric] / floor[metric]
     return list(rows.values())
 
 

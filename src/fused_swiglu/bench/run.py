@@ -9,6 +9,7 @@ import torch
 
 from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds
+from .decode import DECODE_ROWS, decode_table, measure_decode
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .impls import IMPL_NAMES
 from .measure import measure_shape
@@ -61,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also benchmark the GLU operator alone at M H I (default: 11136 3584 14336)",
     )
     parser.add_argument(
+        "--decode",
+        type=int,
+        nargs="*",
+        metavar="M",
+        help="also time the no_grad forward at these batch sizes (default: "
+        f"{' '.join(map(str, DECODE_ROWS))}) with the first shape's hidden and intermediate sizes",
+    )
+    parser.add_argument(
         "--cold-start",
         action="store_true",
         help="also time a new shape's first call in fresh processes (empty, then warm kernel cache)",
@@ -100,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
     if args.glu is not None:
         extra_md += _glu_section(args, extra_json)
         save()
+    if args.decode is not None:
+        extra_md += _decode_section(args, shapes, extra_json)
+        save()
     if args.cold_start:
         extra_md += _cold_start_section(shapes, extra_json)
     print("\nwrote " + ", ".join(str(p) for p in save()))
@@ -134,8 +146,24 @@ def _glu_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
     ]
 
 
+def _decode_section(args: argparse.Namespace, shapes: dict, extra_json: dict) -> list[str]:
+    name, (_, h, i) = next(iter(shapes.items()), ("llama3-8b", SHAPES["llama3-8b"]))
+    title = f"Decode sizes, no_grad forward ({name}: hidden={h}, intermediate={i})"
+    print(f"\n{title}", flush=True)
+    rows = measure_decode(
+        h, i, args.decode or list(DECODE_ROWS), reps=args.reps, log=lambda s: print(s, flush=True)
+    )
+    print(decode_table(rows), flush=True)
+    extra_json["decode"] = {"shape": name, "rows": rows}
+    note = (
+        "floor = the forward's two cuBLAS GEMMs. Host launch time is included wherever it exceeds "
+        "the GPU time, as it is for an eager caller."
+    )
+    return [f"## {title}", "", note, "", decode_table(rows, markdown=True), ""]
+
+
 def _cold_start_section(shapes: dict, extra_json: dict) -> list[str]:
-    name, (m, h, i) = next(iter(shapes.items()))
+    name, (m, h, i) = next(iter(shapes.items()), ("llama3-8b", SHAPES["llama3-8b"]))
     cold, warm = cold_start_seconds(m, h, i, DEFAULT_SAVE)
     extra_json["cold_start"] = {
         "shape": name,
