@@ -101,7 +101,9 @@ def forward_config(
         # Decode-sized batches stream the weight: a long BK (fewer, larger TMA copies) was the fastest
         # of six candidates at M = 1, 16, 64 (raw/sweep-prefetch-decode.log).
         return TileConfig(block_m=64, block_n=64, block_k=2 * block_k, num_warps=4, num_stages=4)
-    split = 1 if save == Saved.NOTHING else 2
+    # fp32 training stores twice the bytes per piece: in halves, the TF32 (tensor-core) variant needs
+    # 240 KB of shared memory, over the 227 KB a block may use (benchmarks/kernel_resources.py).
+    split = 1 if save == Saved.NOTHING else (2 if dtype.itemsize == 2 else 4)
     return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=split, flatten=True)
 
 
@@ -124,6 +126,8 @@ def backward_config(
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
     flatten = save == Saved.PREACT or hidden <= 1024
-    if dtype.itemsize == 4:  # twice the bytes per saved piece: the narrower tile fits shared memory
-        return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=2, flatten=True)
+    if dtype.itemsize == 4:
+        # Twice the bytes per saved piece: a narrower tile, its epilogue in four pieces (in halves the
+        # TF32 variant with saved pre-activations needs 241 KB of shared memory).
+        return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=True)
     return TileConfig(128, 256, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=flatten)

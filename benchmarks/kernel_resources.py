@@ -1,0 +1,190 @@
+"""Compile the fused kernels for sm_90 on any machine (no GPU needed) and report their resources.
+
+For each benchmark shape and save mode this compiles the tile config the library would pick, with
+Triton's own compiler and the ptxas it ships, and prints registers per thread, spilled bytes and
+shared memory. A config that needs more shared memory than an H100/H200 block may use, or that
+spills registers, fails here instead of on the GPU.
+
+    python benchmarks/kernel_resources.py [--check] [--show-ir DIR]
+
+``--check`` exits non-zero if any kernel exceeds the shared-memory limit or a tensor-core variant
+spills registers. ``--show-ir``
+writes each kernel's TTGIR (where the epilogue's TMA copies and their waits can be read).
+Must run without ``TRITON_INTERPRET``: the interpreter replaces the kernels this compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.kernels.common import CHUNK, Saved
+from fused_swiglu.kernels.configs import TileConfig, backward_config, forward_config
+from fused_swiglu.kernels.glu_backward import _glu_backward_kernel
+from fused_swiglu.kernels.glu_forward import _glu_forward_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+#: Dynamic shared memory one block may use on sm_90 (227 KB).
+SHARED_LIMIT = 232448
+
+
+def _descriptor_type(block: list[int], dtype: torch.dtype) -> str:
+    """Triton's signature string of a host descriptor, taken from Triton itself."""
+    t = torch.empty(256, 512, dtype=dtype)  # any tensor: only dtype and block enter the type
+    return native_specialize_impl(
+        BaseBackend, TensorDescriptor(t, [256, 512], [512, 1], block), False, True, True
+    )[0]
+
+
+def _compile(fn, descriptors: dict, scalars: dict, constants: dict, cfg: TileConfig):
+    meta = cfg.kernel_meta()
+    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+    constants = {**constants, **meta}
+    signature = {**descriptors, **scalars, **dict.fromkeys(constants, "constexpr")}
+    signature = {name: signature[name] for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constants), target=TARGET, options=options)
+
+
+def forward_kernel(
+    m: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    save: Saved,
+    precision: str,
+    cfg: TileConfig | None = None,
+):
+    cfg = cfg or forward_config(m, hidden, inter, dtype, True, save)
+    width = cfg.block_n // cfg.epilogue_split
+    descriptors = {
+        "x_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
+        "w_desc": _descriptor_type([2 * cfg.block_n, cfg.block_k], dtype),
+        "a_desc": _descriptor_type([cfg.block_m, width], dtype),
+    }
+    constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    if save == Saved.NOTHING:
+        constants["s_desc"] = None
+    else:
+        descriptors["s_desc"] = _descriptor_type([cfg.block_m, 2 * width], dtype)
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
+    return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg)
+
+
+def backward_kernel(
+    m: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    kind: Saved,
+    precision: str,
+    cfg: TileConfig | None = None,
+):
+    cfg = cfg or backward_config(m, hidden, inter, dtype, True, kind)
+    width = cfg.block_n // cfg.epilogue_split
+    descriptors = {
+        "dy_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
+        "wd_desc": _descriptor_type([cfg.block_k, cfg.block_n], dtype),
+        "s_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
+    }
+    constants = {"SAVED": int(kind), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    if kind == Saved.PREACT:
+        descriptors["a_desc"] = _descriptor_type([cfg.block_m, width], dtype)
+    else:
+        constants["a_desc"] = None
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
+    return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg)
+
+
+def resources(kernel) -> dict:
+    """Registers per thread and spilled bytes from the cubin, shared memory from the compiler."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run(
+            [str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", out))
+    return {
+        "registers": int(fields["REG"]),
+        "spilled_bytes": int(fields["STACK"]) + int(fields["LOCAL"]),
+        "shared_bytes": kernel.metadata.shared,
+    }
+
+
+def _report(label: str, cfg: TileConfig, r: dict, precision: str) -> bool:
+    """Print one kernel; False if it cannot launch (shared memory) or a tensor-core variant spills.
+
+    The fp32 "ieee" variant (TF32 off) runs its dot on the FMA units, and every tile measured here
+    spills there; it is reported, not failed.
+    """
+    fits = r["shared_bytes"] <= SHARED_LIMIT
+    spills = r["spilled_bytes"] > 0
+    ok = fits and (not spills or precision == "ieee")
+    tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} e{cfg.epilogue_split}"
+    note = "" if ok else "  <-- FAILS"
+    if ok and spills:
+        note = "  (spills: FMA dot)"
+    print(
+        f"{label:<52} {tile:<16} {r['registers']:>3} regs, {r['spilled_bytes']} B spilled, "
+        f"{r['shared_bytes'] / 1024:.0f} KB shared{note}",
+        flush=True,
+    )
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail on shared memory over the limit or spills")
+    ap.add_argument("--show-ir", type=Path, help="write each kernel's TTGIR into this folder")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
+        return 2
+    kernels = [(forward_kernel, save) for save in (Saved.NOTHING, Saved.FACTORS, Saved.PREACT)]
+    kernels += [(backward_kernel, kind) for kind in (Saved.FACTORS, Saved.PREACT)]
+    seen: dict[tuple, dict] = {}
+    failed = []
+    # fp32 follows torch.backends.cuda.matmul.allow_tf32: the tf32 (tensor-core) and ieee dots of
+    # the same tile need different shared memory, so both are compiled.
+    precisions = [(torch.bfloat16, "tf32"), (torch.float32, "ieee"), (torch.float32, "tf32")]
+    for name, (dtype, precision), bulk, (build, save) in itertools.product(
+        args.shapes, precisions, (True, False), kernels
+    ):
+        m, hidden, inter = SHAPES[name]
+        rows = m if bulk else 1  # the bulk tile, or the decode-sized one
+        cfg, kernel = build(rows, hidden, inter, dtype, save, precision)
+        family = build.__name__.removesuffix("_kernel")
+        key = (family, save, dtype, precision, cfg)
+        if key not in seen:
+            seen[key] = resources(kernel)
+            if args.show_ir:
+                args.show_ir.mkdir(parents=True, exist_ok=True)
+                (args.show_ir / f"{family}-{save.name}-{len(seen)}.ttgir").write_text(kernel.asm["ttgir"])
+        dtype_name = str(dtype).removeprefix("torch.") + (f"/{precision}" if dtype == torch.float32 else "")
+        label = f"{name} M={rows} {dtype_name} {family} {save.name}"
+        if not _report(label, cfg, seen[key], precision):
+            failed.append(label)
+    if failed and args.check:
+        print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT} bytes of shared memory or spill")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
