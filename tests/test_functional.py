@@ -3,11 +3,13 @@
 import dataclasses
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import fused_swiglu.autograd as autograd_mod
+import fused_swiglu.functional as functional_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import inference_uses_cublas
@@ -233,3 +235,26 @@ def test_float32_with_tf32_matmuls(device, save, monkeypatch):
     rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), torch.float32)
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
+
+
+@pytest.mark.parametrize(
+    ("capability", "fused", "warns"),
+    [((9, 0), True, False), ((8, 9), False, False), ((10, 0), False, True), ((12, 0), False, True)],
+    ids=["hopper", "ada", "blackwell-sm100", "blackwell-sm120"],
+)
+def test_fused_kernels_only_where_their_tiles_are_built(monkeypatch, capability, fused, warns):
+    """Hopper takes the fused kernels; newer GPUs, whose shared memory the tiles do not fit, take the
+    reference with a warning; older ones (no TMA) take it silently."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    functional_mod._kernels_built_for.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert functional_mod._kernels_built_for(0) is fused
+            assert functional_mod._kernels_built_for(0) is fused  # cached: one warning per device
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == int(warns)
+        if warns:
+            assert f"sm_{capability[0]}{capability[1]}" in messages[0] and "reference" in messages[0]
+    finally:
+        functional_mod._kernels_built_for.cache_clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import warnings
 from typing import Literal
 
 import torch
@@ -32,22 +33,36 @@ def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str
 
 
 @functools.cache
-def _has_tma(device_index: int) -> bool:
-    # Cached: this runs on every call, and host time counts at decode sizes.
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _kernels_built_for(device_index: int) -> bool:
+    """Whether the fused kernels' tiles are built for this GPU: Hopper (compute capability 9.x).
+
+    They are sized for Hopper's 227 KB of shared memory per block and tested there. Compiled for
+    Blackwell, the pre-activation backward tile needs 262 KB on sm_100 and every tile exceeds the
+    99 KB of sm_120 (benchmarks/kernel_resources.py), so newer GPUs take the PyTorch reference, with a
+    warning once; older ones have no TMA. Cached: this runs on every call.
+    """
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major > 9:
+        warnings.warn(
+            f"fused_swiglu: the fused kernels are built and tested for Hopper (sm_90); on this GPU "
+            f"(sm_{major}{minor}) the PyTorch reference runs instead, at eager speed and memory.",
+            stacklevel=4,
+        )
+    return major == 9
 
 
 def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     """Whether ``swiglu_mlp``/``swiglu_linear`` take the fused kernels for this input and packed weight.
 
-    They need fp16/bf16/fp32 on a CUDA device with TMA (compute capability 9.0+), or CPU tensors under
+    They need fp16/bf16/fp32 on a Hopper GPU (compute capability 9.x), or CPU tensors under
     the Triton interpreter; rows 16-byte aligned (hidden and intermediate times the item size
     multiples of 16) and at least one token. Otherwise the PyTorch reference runs.
     """
     if x.dtype not in FUSED_DTYPES or x.numel() == 0:
         return False
     if x.device.type == "cuda":
-        if not _has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if not _kernels_built_for(index):
             return False
     elif not (x.device.type == "cpu" and interpreting()):
         return False
