@@ -37,6 +37,12 @@ FORWARD_CANDIDATES = [
     C(64, 128, 64, num_warps=4, num_stages=4, epilogue_split=2, flatten=True),
     C(128, 64, 64, num_warps=4, num_stages=3, epilogue_split=1, flatten=True, ctas_per_sm=2),
     C(128, 64, 64, num_warps=8, num_stages=4, epilogue_split=1, flatten=True),
+    # The whole [128, 256] epilogue in one piece, with fewer or shorter stages to fit shared memory:
+    # two TMA stores per tile instead of four, and the wait before reusing a staging buffer falls in
+    # the next tile (Triton waits for every outstanding store before each staging write).
+    C(128, 128, 64, num_warps=8, num_stages=2, epilogue_split=1, flatten=True),
+    C(128, 128, 32, num_warps=8, num_stages=4, epilogue_split=1, flatten=True),
+    C(128, 128, 32, num_warps=8, num_stages=3, epilogue_split=1, flatten=True),
 ]
 BACKWARD_CANDIDATES = [
     C(128, 128, 64, num_warps=8, num_stages=3, epilogue_split=2, flatten=True),
