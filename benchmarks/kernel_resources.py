@@ -5,7 +5,7 @@ Triton's own compiler and the ptxas it ships, and prints registers per thread, s
 shared memory. A config that needs more shared memory than an H100/H200 block may use, or that
 spills registers, fails here instead of on the GPU.
 
-    python benchmarks/kernel_resources.py [--check] [--show-ir DIR]
+    python benchmarks/kernel_resources.py [--check] [--show-ir DIR] [--arch 90|100|120]
 
 ``--check`` exits non-zero if any kernel exceeds the shared-memory limit or a tensor-core variant
 spills registers. ``--show-ir``
@@ -37,9 +37,10 @@ from fused_swiglu.kernels.configs import TileConfig, backward_config, forward_co
 from fused_swiglu.kernels.glu_backward import _glu_backward_kernel
 from fused_swiglu.kernels.glu_forward import _glu_forward_kernel
 
-TARGET = GPUTarget("cuda", 90, 32)
-#: Dynamic shared memory one block may use on sm_90 (227 KB).
-SHARED_LIMIT = 232448
+#: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
+#: consumer Blackwell 99 KB. The library runs its kernels on sm_90 only; the others are here to show why.
+SHARED_LIMIT = {90: 232448, 100: 232448, 120: 101376}
+SM90 = GPUTarget("cuda", 90, 32)
 
 
 def _descriptor_type(block: list[int], dtype: torch.dtype) -> str:
@@ -50,13 +51,13 @@ def _descriptor_type(block: list[int], dtype: torch.dtype) -> str:
     )[0]
 
 
-def _compile(fn, descriptors: dict, scalars: dict, constants: dict, cfg: TileConfig):
+def _compile(fn, descriptors: dict, scalars: dict, constants: dict, cfg: TileConfig, target: GPUTarget):
     meta = cfg.kernel_meta()
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     constants = {**constants, **meta}
     signature = {**descriptors, **scalars, **dict.fromkeys(constants, "constexpr")}
     signature = {name: signature[name] for name in fn.arg_names}
-    return triton.compile(ASTSource(fn, signature, constants), target=TARGET, options=options)
+    return triton.compile(ASTSource(fn, signature, constants), target=target, options=options)
 
 
 def forward_kernel(
@@ -67,6 +68,7 @@ def forward_kernel(
     save: Saved,
     precision: str,
     cfg: TileConfig | None = None,
+    target: GPUTarget = SM90,
 ):
     cfg = cfg or forward_config(m, hidden, inter, dtype, True, save)
     width = cfg.block_n // cfg.epilogue_split
@@ -81,7 +83,7 @@ def forward_kernel(
     else:
         descriptors["s_desc"] = _descriptor_type([cfg.block_m, 2 * width], dtype)
     scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
-    return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg)
+    return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg, target)
 
 
 def backward_kernel(
@@ -92,6 +94,7 @@ def backward_kernel(
     kind: Saved,
     precision: str,
     cfg: TileConfig | None = None,
+    target: GPUTarget = SM90,
 ):
     cfg = cfg or backward_config(m, hidden, inter, dtype, True, kind)
     width = cfg.block_n // cfg.epilogue_split
@@ -106,7 +109,7 @@ def backward_kernel(
     else:
         constants["a_desc"] = None
     scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
-    return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg)
+    return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg, target)
 
 
 def resources(kernel) -> dict:
@@ -126,13 +129,13 @@ def resources(kernel) -> dict:
     }
 
 
-def _report(label: str, cfg: TileConfig, r: dict, precision: str) -> bool:
+def _report(label: str, cfg: TileConfig, r: dict, precision: str, limit: int) -> bool:
     """Print one kernel; False if it cannot launch (shared memory) or a tensor-core variant spills.
 
     The fp32 "ieee" variant (TF32 off) runs its dot on the FMA units, and every tile measured here
     spills there; it is reported, not failed.
     """
-    fits = r["shared_bytes"] <= SHARED_LIMIT
+    fits = r["shared_bytes"] <= limit
     spills = r["spilled_bytes"] > 0
     ok = fits and (not spills or precision == "ieee")
     tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} e{cfg.epilogue_split}"
@@ -152,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="fail on shared memory over the limit or spills")
     ap.add_argument("--show-ir", type=Path, help="write each kernel's TTGIR into this folder")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability")
     args = ap.parse_args(argv)
+    target = GPUTarget("cuda", args.arch, 32)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
         return 2
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         m, hidden, inter = SHAPES[name]
         rows = m if bulk else 1  # the bulk tile, or the decode-sized one
-        cfg, kernel = build(rows, hidden, inter, dtype, save, precision)
+        cfg, kernel = build(rows, hidden, inter, dtype, save, precision, target=target)
         family = build.__name__.removesuffix("_kernel")
         key = (family, save, dtype, precision, cfg)
         if key not in seen:
@@ -178,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                 (args.show_ir / f"{family}-{save.name}-{len(seen)}.ttgir").write_text(kernel.asm["ttgir"])
         dtype_name = str(dtype).removeprefix("torch.") + (f"/{precision}" if dtype == torch.float32 else "")
         label = f"{name} M={rows} {dtype_name} {family} {save.name}"
-        if not _report(label, cfg, seen[key], precision):
+        if not _report(label, cfg, seen[key], precision, SHARED_LIMIT[args.arch]):
             failed.append(label)
     if failed and args.check:
-        print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT} bytes of shared memory or spill")
+        print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT[args.arch]} bytes of shared memory or spill")
         return 1
     return 0
 
