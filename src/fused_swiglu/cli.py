@@ -18,8 +18,8 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MLP_SAVES = ("factors", "preact", "recompute")
-TIMING_ROUNDS = 4
 GLU_SAVES = ("factors", "recompute")
+TIMING_ROUNDS = 4
 
 
 def _interpreter_requested() -> bool:
