@@ -1,6 +1,7 @@
-"""SwiGLUMLP inside FSDP2 (``fully_shard``) and DDP: two CPU processes over gloo, the kernels under
-the Triton interpreter. Each rank's output and the synchronised gradients must equal an unwrapped
-copy's (gradients averaged over the ranks by hand), and the sharded state dict must round-trip."""
+"""SwiGLUMLP inside FSDP2 (``fully_shard``) and DDP: two CPU processes over gloo with the kernels
+under the Triton interpreter, or one process per GPU over NCCL (as many as there are, up to two).
+Each rank's output and the synchronised gradients must equal an unwrapped copy's (gradients
+averaged over the ranks by hand), and the sharded state dict must round-trip."""
 
 import os
 import sys
@@ -10,20 +11,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD = 2
+CPU_WORLD = 2
 
 
-def _worker(rank: int, store_file: str, wrapper: str, save: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def _worker(rank: int, store_file: str, wrapper: str, save: str, backend: str, world: int) -> None:
+    if backend == "gloo":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     # A file store, not TCP: no port to pick, so no race with a port another test just released.
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         from fused_swiglu import SwiGLUMLP
         from fused_swiglu.testing import relative_error
 
         torch.manual_seed(0)
-        reference = SwiGLUMLP(40, 72, save=save)
-        model = SwiGLUMLP(40, 72, save=save)
+        reference = SwiGLUMLP(40, 72, save=save, device=device)
+        model = SwiGLUMLP(40, 72, save=save, device=device)
         model.load_state_dict(reference.state_dict())
         if wrapper == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -32,7 +38,7 @@ def _worker(rank: int, store_file: str, wrapper: str, save: str) -> None:
             wrapped = model
         else:
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        x = torch.randn(37, 40, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(37, 40, generator=torch.Generator().manual_seed(rank)).to(device)
         y = wrapped(x)
         y.sum().backward()
         expected = reference(x)
@@ -42,7 +48,7 @@ def _worker(rank: int, store_file: str, wrapper: str, save: str) -> None:
             grad = param.grad.full_tensor() if wrapper == "fsdp" else param.grad
             averaged = dict(reference.named_parameters())[name].grad.clone()
             dist.all_reduce(averaged)
-            assert relative_error(grad, averaged / WORLD) < 1e-6, name
+            assert relative_error(grad, averaged / world) < 1e-6, name
         if wrapper == "fsdp":
             # Checkpointing: Hugging Face names, sharded like the parameters, and loadable again.
             state, expected_state = model.state_dict(), reference.state_dict()
@@ -67,4 +73,16 @@ def test_two_cpu_ranks(device, wrapper, save, tmp_path):
         pytest.skip("CPU processes over gloo; multi-GPU runs are not part of this suite")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save), nprocs=WORLD)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save, "gloo", CPU_WORLD), nprocs=CPU_WORLD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save", ["factors", "recompute"])
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_gpu_ranks_over_nccl(device, wrapper, save, tmp_path):
+    """One process per GPU, up to two: on a single GPU this still runs the wrappers' CUDA paths
+    (FSDP2's unsharded parameters, DDP's bucketed all-reduce) around the fused kernels."""
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save, "nccl", world), nprocs=world)
