@@ -79,7 +79,7 @@ def test_two_cpu_ranks(device, wrapper, save, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("save", ["factors", "recompute"])
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
-def test_gpu_ranks_over_nccl(device, wrapper, save, tmp_path):
+def test_gpu_ranks_over_nccl(wrapper, save, tmp_path):
     """One process per GPU, up to two: on a single GPU this still runs the wrappers' CUDA paths
     (FSDP2's unsharded parameters, DDP's bucketed all-reduce) around the fused kernels."""
     if not dist.is_available() or not dist.is_nccl_available():

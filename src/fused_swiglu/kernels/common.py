@@ -67,11 +67,11 @@ def _bind_cuda_context(device: torch.device) -> None:
     bound = getattr(_thread_state, "cuda_devices", None)
     if bound is None:
         bound = _thread_state.cuda_devices = set()
-    if device.index not in bound:
-        # A query would invalidate a CUDA graph being captured on this stream; a capture begun from
-        # this thread has bound the context already.
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(device).query()
+    # A query would invalidate a CUDA graph being captured on this stream, so none is made then (a
+    # capture begun from this thread has bound the context already); the thread is marked bound
+    # only once a query has run.
+    if device.index not in bound and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(device).query()
         bound.add(device.index)
 
 
