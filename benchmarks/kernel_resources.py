@@ -70,7 +70,7 @@ def forward_kernel(
     cfg: TileConfig | None = None,
     target: GPUTarget = SM90,
 ):
-    cfg = cfg or forward_config(m, hidden, inter, dtype, True, save)
+    cfg = cfg or forward_config(m, hidden, inter, dtype, True, save, precision)
     width = cfg.block_n // cfg.epilogue_split
     descriptors = {
         "x_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     kernels += [(backward_kernel, kind) for kind in (Saved.FACTORS, Saved.PREACT)]
     seen: dict[tuple, dict] = {}
     failed = []
-    # fp32 follows torch.backends.cuda.matmul.allow_tf32: the tf32 (tensor-core) and ieee dots of
-    # the same tile need different shared memory, so both are compiled.
-    precisions = [(torch.bfloat16, "tf32"), (torch.float32, "ieee"), (torch.float32, "tf32")]
+    # fp32 follows torch.backends.cuda.matmul.allow_tf32 (kernels.common.dot_precision): the three-pass
+    # TF32 and the ieee dots need different registers and shared memory, so both are compiled.
+    precisions = [(torch.bfloat16, "tf32"), (torch.float32, "ieee"), (torch.float32, "tf32x3")]
     for name, (dtype, precision), bulk, (build, save) in itertools.product(
         args.shapes, precisions, (True, False), kernels
     ):

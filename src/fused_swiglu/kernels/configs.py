@@ -84,7 +84,13 @@ INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, n
 
 @functools.lru_cache(maxsize=256)
 def forward_config(
-    m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool, save: Saved = Saved.NOTHING
+    m: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    on_gpu: bool,
+    save: Saved = Saved.NOTHING,
+    precision: str = "tf32",
 ) -> TileConfig:
     """Tile of the gate/up GEMM + SwiGLU kernel for x [m, hidden] and a packed [2 * inter, hidden] weight.
 
@@ -97,19 +103,29 @@ def forward_config(
     if not on_gpu:
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
+    # Three-pass TF32 (fp32 with TF32 allowed) splits both operands in registers: the packed
+    # [128, 256] tile spills with it (benchmarks/kernel_resources.py), a [128, 128] one does not.
+    three_pass = precision == "tf32x3"
     if m <= 64:
         # Decode-sized batches stream the weight: a long BK (fewer, larger TMA copies) was the fastest
         # of six candidates at M = 1, 16, 64 (raw/sweep-prefetch-decode.log).
-        return TileConfig(block_m=64, block_n=64, block_k=2 * block_k, num_warps=4, num_stages=4)
-    # fp32 training stores twice the bytes per piece: in halves, the TF32 (tensor-core) variant needs
-    # 240 KB of shared memory, over the 227 KB a block may use (benchmarks/kernel_resources.py).
+        decode_k = block_k if three_pass else 2 * block_k
+        return TileConfig(block_m=64, block_n=64, block_k=decode_k, num_warps=4, num_stages=4)
+    if three_pass:
+        return TileConfig(128, 64, block_k, num_warps=8, num_stages=3, epilogue_split=2, flatten=True)
+    # fp32 training stores twice the bytes per piece, so its epilogue goes out in four pieces.
     split = 1 if save == Saved.NOTHING else (2 if dtype.itemsize == 2 else 4)
     return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=split, flatten=True)
 
 
 @functools.lru_cache(maxsize=256)
 def backward_config(
-    m: int, hidden: int, inter: int, dtype: torch.dtype, on_gpu: bool, save: Saved = Saved.FACTORS
+    m: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    on_gpu: bool,
+    save: Saved = Saved.FACTORS,
 ) -> TileConfig:
     """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``).
 
@@ -128,6 +144,7 @@ def backward_config(
     flatten = save == Saved.PREACT or hidden <= 1024
     if dtype.itemsize == 4:
         # Twice the bytes per saved piece: a narrower tile, its epilogue in four pieces (in halves the
-        # TF32 variant with saved pre-activations needs 241 KB of shared memory).
+        # TF32 variant with saved pre-activations needs 241 KB of shared memory). Every fp32 precision
+        # fits it without spilling, three-pass TF32 included (benchmarks/kernel_resources.py).
         return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=True)
     return TileConfig(128, 256, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=flatten)

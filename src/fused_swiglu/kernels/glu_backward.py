@@ -142,6 +142,7 @@ def glu_backward_(
         raise ValueError("the backward needs saved factors or pre-activations")
     m, hidden = dy.shape
     inter = w_down.shape[1]
+    precision = dot_precision(dy.dtype)
     cfg = config or backward_config(m, hidden, inter, dy.dtype, not interpreting(), kind)
     width = cfg.block_n // cfg.epilogue_split
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
@@ -158,7 +159,7 @@ def glu_backward_(
         float(out_scale),
         SAVED=int(kind),
         CHUNK_=CHUNK,
-        DOT_PRECISION=dot_precision(dy.dtype),
+        DOT_PRECISION=precision,
         **cfg.kernel_meta(),
     )
     return a

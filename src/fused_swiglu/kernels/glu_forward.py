@@ -141,7 +141,8 @@ def glu_forward(
         raise ValueError("the forward kernel must write a, the saved tensor, or both")
     m, hidden = x.shape
     inter = w_packed.shape[0] // 2
-    cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save)
+    precision = dot_precision(x.dtype)
+    cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save, precision)
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
@@ -158,7 +159,7 @@ def glu_forward(
         float(out_scale),
         SAVE=int(save),
         CHUNK_=CHUNK,
-        DOT_PRECISION=dot_precision(x.dtype),
+        DOT_PRECISION=precision,
         **cfg.kernel_meta(),
     )
     return a, saved
