@@ -35,15 +35,17 @@ KERNEL_SAVES = {
 
 @pytest.fixture
 def forward_saves(monkeypatch):
-    """Records the ``save`` argument of every fused forward launch (NOTHING means inference)."""
+    """Records the ``save`` argument of every forward GEMM launch, fused or (fp32 on a GPU) on cuBLAS
+    with its in-place pass; NOTHING means inference."""
     calls = []
-    real = autograd_mod.glu_forward
+    for name in ("glu_forward", "glu_forward_split"):
+        real = getattr(autograd_mod, name)
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs["save"])
-        return real(*args, **kwargs)
+        def spy(*args, real=real, **kwargs):
+            calls.append(kwargs["save"])
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(autograd_mod, "glu_forward", spy)
+        monkeypatch.setattr(autograd_mod, name, spy)
     return calls
 
 
@@ -71,6 +73,22 @@ def test_training_step_matches_reference(shape, dtype, device, save, multipliers
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
     assert forward_saves == KERNEL_SAVES[save]
+
+
+@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("multipliers", MULTIPLIERS)
+def test_float32_gemms_on_cublas_match_reference(device, save, multipliers, forward_saves, monkeypatch):
+    """The fp32 path of a GPU (cuBLAS GEMMs, SwiGLU passes in place), forced here on any device."""
+    monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
+    fused_launches = []
+    monkeypatch.setattr(autograd_mod, "glu_backward_", lambda *a, **k: fused_launches.append(k))
+    gm, dm = multipliers
+    p = make_problem(70, 48, 96, dtype=torch.float32, device=device, gate_multiplier=gm, down_multiplier=dm)
+    rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), torch.float32)
+    failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
+    assert not failed, failed
+    assert forward_saves == KERNEL_SAVES[save]
+    assert fused_launches == []
 
 
 @pytest.mark.parametrize("rows", [5, 37, 130], ids=["decode-rows", "small-rows", "large-rows"])

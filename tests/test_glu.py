@@ -22,6 +22,11 @@ from fused_swiglu.testing import (
 MULTIPLIERS = [pytest.param(1.0, id="gm1"), pytest.param(0.5, id="gm0.5")]
 
 
+def test_glu_grad_kernel_needs_something_saved(device):
+    with pytest.raises(ValueError, match="needs saved"):
+        glu_grad_(torch.zeros(4, 32, device=device), torch.zeros(4, 64, device=device), kind=Saved.NOTHING)
+
+
 def test_glu_grad_kernel_multiplies_both_halves_in_place(shape, dtype, device):
     p = make_problem(*shape, dtype=dtype, device=device)
     _, factors = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
@@ -37,12 +42,17 @@ def test_glu_grad_kernel_multiplies_both_halves_in_place(shape, dtype, device):
 
 @pytest.mark.parametrize("gate_multiplier", MULTIPLIERS)
 @pytest.mark.parametrize("save", ["factors", "recompute"])
-def test_training_step_matches_reference(shape, dtype, device, save, gate_multiplier, monkeypatch):
+@pytest.mark.parametrize("cublas", [False, True], ids=["default-gemms", "fp32-gemms-on-cublas"])
+def test_training_step_matches_reference(shape, dtype, device, save, gate_multiplier, cublas, monkeypatch):
+    """Both GEMM paths: the default for the device, and the fp32 one of a GPU forced on any device."""
+    if cublas:
+        monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     launches = []
-    real = autograd_mod.glu_forward
-    monkeypatch.setattr(
-        autograd_mod, "glu_forward", lambda *a, **k: launches.append(k["save"]) or real(*a, **k)
-    )
+    for name in ("glu_forward", "glu_forward_split"):  # either records what the forward saves
+        real = getattr(autograd_mod, name)
+        monkeypatch.setattr(
+            autograd_mod, name, lambda *a, real=real, **k: launches.append(k["save"]) or real(*a, **k)
+        )
     p = make_problem(*shape, dtype=dtype, device=device, gate_multiplier=gate_multiplier)
 
     def fused(x, w):

@@ -13,10 +13,15 @@ from fused_swiglu.kernels.configs import TileConfig
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_forward import glu_forward
+from fused_swiglu.kernels.glu_split import glu_backward_split_, glu_forward_split
 from fused_swiglu.layout import CHUNK, split_packed_columns
 from fused_swiglu.testing import make_problem, relative_error, unit_roundoff
 
 MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id="mult0.7-1.3")]
+# Two implementations of one contract: the fused kernels, and cuBLAS GEMMs with in-place SwiGLU passes
+# (what fp32 runs on a GPU).
+FORWARDS = {"fused": glu_forward, "split": glu_forward_split}
+BACKWARDS = {"fused": glu_backward_, "split": glu_backward_split_}
 
 
 def swiglu_terms(x, w_gate, w_up, gm):
@@ -34,12 +39,13 @@ def assert_like_eager(fused, eager, exact, dtype, what):
     )
 
 
+@pytest.mark.parametrize("impl", FORWARDS)
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_forward_kernel(shape, dtype, device, save, multipliers):
+def test_forward_kernel(shape, dtype, device, save, multipliers, impl):
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
-    a, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=save)
+    a, saved = FORWARDS[impl](p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=save)
 
     silu64, fgate64, u64, g64 = swiglu_terms(p.x.double(), p.w_gate.double(), p.w_up.double(), gm)
     silu, fgate, u, g = swiglu_terms(p.x, p.w_gate, p.w_up, gm)
@@ -56,9 +62,10 @@ def test_forward_kernel(shape, dtype, device, save, multipliers):
         assert_like_eager(second, g / gm, g64 / gm, dtype, "x @ Wg^T")
 
 
+@pytest.mark.parametrize("impl", BACKWARDS)
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, kind, multipliers):
+def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, kind, multipliers, impl):
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
     _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=kind)
@@ -76,7 +83,7 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
     da = dm * p.dy @ p.w_down  # eager rounds dA to the dtype before the multiplies
     eager_first, eager_second = (t.to(dtype) for t in (silu64, fgate64))
 
-    recomputed = glu_backward_(p.dy, p.w_down, saved, gate_scale=gm, out_scale=dm, kind=kind)
+    recomputed = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=gm, out_scale=dm, kind=kind)
 
     d_up, d_gate = split_packed_columns(saved)
     assert_like_eager(d_up, da * eager_first, da64 * silu64, dtype, "dU")
@@ -163,16 +170,18 @@ def test_forward_kernel_variants_agree(device, save, config):
         assert relative_error(saved, saved_expected) < 1e-6
 
 
+@pytest.mark.parametrize("impl", FORWARDS)
 @pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_forward_kernel_can_skip_a(device, kind):
+def test_forward_kernel_can_skip_a(device, kind, impl):
     """A backward that needs only the saved tensor gets it without ``a`` being written."""
+    forward = FORWARDS[impl]
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    _, expected = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
-    a, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind, write_a=False)
+    _, expected = forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
+    a, saved = forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind, write_a=False)
     assert a is None
     assert torch.equal(saved, expected)
     with pytest.raises(ValueError, match="must write"):
-        glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=Saved.NOTHING, write_a=False)
+        forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=Saved.NOTHING, write_a=False)
 
 
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)

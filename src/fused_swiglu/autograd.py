@@ -18,15 +18,28 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.common import Saved, tma_ready
-from .kernels.configs import inference_uses_cublas
+from .kernels.common import Saved, interpreting, tma_ready
+from .kernels.configs import gemms_on_cublas, inference_uses_cublas
 from .kernels.glu_activation import glu_activation
 from .kernels.glu_backward import glu_backward_
 from .kernels.glu_forward import glu_forward
 from .kernels.glu_grad import glu_grad_
+from .kernels.glu_split import glu_backward_split_, glu_forward_split
 
 #: What the forward kernel writes in training, per save mode.
 KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
+
+
+def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, **kwargs):
+    """The fused forward kernel, or for fp32 on a GPU cuBLAS plus an in-place pass (same contract)."""
+    split = gemms_on_cublas(x.dtype, not interpreting())
+    return (glu_forward_split if split else glu_forward)(x, w_gate_up, **kwargs)
+
+
+def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, **kwargs):
+    """The fused backward kernel, or for fp32 on a GPU cuBLAS plus an in-place pass (same contract)."""
+    split = gemms_on_cublas(dy.dtype, not interpreting())
+    return (glu_backward_split_ if split else glu_backward_)(dy, w_down, saved, **kwargs)
 
 
 def _glu_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_scale: float, out_scale: float):
@@ -34,7 +47,7 @@ def _glu_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_scale: float, ou
     if inference_uses_cublas(x.shape[0]):
         h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
         return glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
-    a, _ = glu_forward(x, w_gate_up, gate_scale=gate_scale, out_scale=out_scale, save=Saved.NOTHING)
+    a, _ = _forward(x, w_gate_up, gate_scale=gate_scale, out_scale=out_scale, save=Saved.NOTHING)
     return a
 
 
@@ -77,7 +90,7 @@ class SwiGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, save: str):
         kept = KEPT[save]
-        a, saved = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=kept)
+        a, saved = _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=kept)
         y = torch.mm(a, w_down.t())
         # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
         ctx.save_for_backward(x, w_gate_up, w_down, saved, a if kept == Saved.FACTORS else None)
@@ -95,7 +108,7 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         if kind == Saved.NOTHING:
             # Factors rather than pre-activations: the forward kernel writes a and the factors at the
             # cost of one, and the factors make the backward epilogue cheaper.
-            a, grad_gate_up = glu_forward(
+            a, grad_gate_up = _forward(
                 x,
                 w_gate_up,
                 gate_scale=ctx.gate_multiplier,
@@ -104,7 +117,7 @@ class SwiGLUMLPFunction(torch.autograd.Function):
             )
             kind = Saved.FACTORS
         dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
-        recomputed = glu_backward_(
+        recomputed = _backward_(
             dy, w_down, grad_gate_up, gate_scale=ctx.gate_multiplier, out_scale=ctx.down_multiplier, kind=kind
         )
         # From here on grad_gate_up holds [dU | dG] in packed column order.
@@ -125,7 +138,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate_up, gate_multiplier: float, save: str):
         kept = KEPT[save]
-        a, factors = glu_forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
+        a, factors = _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
         ctx.save_for_backward(x, w_gate_up, factors)
         ctx.gate_multiplier = gate_multiplier
         ctx.kept = kept
@@ -137,7 +150,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         _start_backward(ctx)
         x, w_gate_up, factors = ctx.saved_tensors
         if ctx.kept == Saved.NOTHING:
-            _, factors = glu_forward(
+            _, factors = _forward(
                 x, w_gate_up, gate_scale=ctx.gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
             )
         grad_gate_up = glu_grad_(da.contiguous(), factors)  # in place: factors become [dU | dG]

@@ -1,9 +1,11 @@
 """SwiGLU of a packed pre-activation already in memory: a = out_scale * silu(gate_scale * g) * u.
 
-Decode-sized batches (a few rows) stream the whole packed weight for very little arithmetic. There
-cuBLAS's x @ W_packed^T reads the weight faster than the fused kernel's tiles do
-(docs/benchmarks/NOTES.md), so inference at those sizes runs that GEMM and finishes with this one
-small pass over the [M, 2I] result.
+The pass that finishes a cuBLAS x @ W_packed^T where the fused kernel is not used:
+
+* decode-sized inference (a few rows streams the whole packed weight for very little arithmetic,
+  and cuBLAS reads it faster than the fused kernel's tiles, docs/benchmarks/NOTES.md): ``a`` only;
+* fp32 (``kernels/glu_split.py``): for training it also turns the pre-activation into the saved
+  factors [silu(g) | gate_scale * u * silu'(g)] in place, as the fused kernel's epilogue would.
 """
 
 from __future__ import annotations
@@ -12,19 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, empty, interpreting
+from .common import CHUNK, empty, interpreting, silu_and_slope
 
 
 @triton.jit
 def _glu_activation_kernel(
-    h_ptr,  # [M, 2N] packed [u | g] chunks
-    a_ptr,  # [M, N]
+    h_ptr,  # [M, 2N] packed [u | g] chunks (factors out when FACTORS_IN_PLACE)
+    a_ptr,  # [M, N], or None
     M,
     N,
     stride_h,
     stride_a,
     gate_scale,
     out_scale,
+    FACTORS_IN_PLACE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     CHUNK_: tl.constexpr,
@@ -37,17 +40,37 @@ def _glu_activation_kernel(
     p_up = h_ptr + o_rows[:, None] * stride_h + o_up[None, :]
     b_up = tl.load(p_up, mask=mask).to(tl.float32)
     b_g = tl.load(p_up + CHUNK_, mask=mask).to(tl.float32) * gate_scale
-    b_a = b_g * tl.sigmoid(b_g) * b_up * out_scale
-    tl.store(a_ptr + o_rows[:, None] * stride_a + o_cols[None, :], b_a.to(a_ptr.dtype.element_ty), mask=mask)
+    b_silu, b_slope = silu_and_slope(b_g)
+    if a_ptr is not None:
+        b_a = b_silu * b_up * out_scale
+        tl.store(
+            a_ptr + o_rows[:, None] * stride_a + o_cols[None, :], b_a.to(a_ptr.dtype.element_ty), mask=mask
+        )
+    if FACTORS_IN_PLACE:
+        tl.store(p_up, b_silu.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_up + CHUNK_, (b_up * b_slope * gate_scale).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def glu_activation(h: torch.Tensor, *, gate_scale: float, out_scale: float) -> torch.Tensor:
-    """``a`` [M, I] from the packed pre-activation ``h`` [M, 2I] (unit column stride)."""
+def glu_activation(
+    h: torch.Tensor,
+    *,
+    gate_scale: float,
+    out_scale: float,
+    factors_in_place: bool = False,
+    write_a: bool = True,
+) -> torch.Tensor | None:
+    """``a`` [M, I] from the packed pre-activation ``h`` [M, 2I] (unit column stride).
+
+    With ``factors_in_place``, ``h`` is overwritten with the packed factors the backward reads.
+    ``write_a=False`` (only with ``factors_in_place``) skips ``a`` and returns ``None``.
+    """
     m, two_inter = h.shape
     if two_inter % (2 * CHUNK) or h.stride(-1) != 1:
         raise ValueError(f"expected a row-major packed [M, 2I] tensor, got {tuple(h.shape)}")
+    if not (write_a or factors_in_place):
+        raise ValueError("the activation pass must write a, the factors, or both")
     inter = two_inter // 2
-    a = empty((m, inter), h)
+    a = empty((m, inter), h) if write_a else None
     block_m = 16 if interpreting() else min(16, triton.next_power_of_2(m))
     block_n = 16 if interpreting() else 256
     grid = (triton.cdiv(m, block_m), triton.cdiv(inter, block_n))
@@ -57,9 +80,10 @@ def glu_activation(h: torch.Tensor, *, gate_scale: float, out_scale: float) -> t
         m,
         inter,
         h.stride(0),
-        a.stride(0),
+        inter if a is None else a.stride(0),
         float(gate_scale),
         float(out_scale),
+        FACTORS_IN_PLACE=factors_in_place,
         BM=block_m,
         BN=block_n,
         CHUNK_=CHUNK,

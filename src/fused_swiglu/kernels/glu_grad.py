@@ -1,10 +1,15 @@
-"""Backward of the GLU operator alone: [f_up | f_gate] * dA -> [dU | dG], in place, one pass.
+"""The SwiGLU gradient between two GEMMs: saved packed tensor and dA -> [dU | dG], in place, one pass.
 
-When the caller owns the down projection, dA arrives from outside and the only work left between
-the two backward GEMMs is this elementwise product of the saved factors with dA (the same dA
-multiplies both halves of a packed chunk). It is memory-bound: read dA and the factors, write the
-gradient over the factors. A broadcast ``mul_`` in PyTorch does the same in place but reaches about
-half the copy bandwidth on the packed chunk layout (docs/benchmarks/NOTES.md).
+Used where dA is in memory rather than in the fused backward kernel's registers:
+
+* the GLU operator alone: dA arrives from the caller's down projection, and the only work between
+  the two backward GEMMs is this product of the saved factors with dA (the same dA multiplies both
+  halves of a packed chunk). A broadcast ``mul_`` in PyTorch does the same in place but reaches
+  about half the copy bandwidth on the packed chunk layout (docs/benchmarks/NOTES.md);
+* fp32 (``kernels/glu_split.py``): dA = dY @ W_down comes from cuBLAS, saved factors or saved
+  pre-activations; with the latter the pass also recomputes ``a`` for dW_down, over dA's memory.
+
+It is memory-bound: read dA and the saved tensor, write the gradient over the saved tensor.
 """
 
 from __future__ import annotations
@@ -13,17 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, interpreting
+from .common import CHUNK, Saved, interpreting, pack_columns, silu_and_slope, unpack_columns
 
 
 @triton.jit
 def _glu_grad_kernel(
-    da_ptr,  # [M, N]
-    s_ptr,  # [M, 2N] packed factors in, packed gradient out
+    da_ptr,  # [M, N]: dA in; out_scale * a out when SAVED == 2
+    s_ptr,  # [M, 2N] packed saved tensor in, packed gradient out
     M,
     N,
     stride_da,
     stride_s,
+    gate_scale,
+    out_scale,
+    SAVED: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     CHUNK_: tl.constexpr,
@@ -34,38 +42,63 @@ def _glu_grad_kernel(
     o_cols = i_n * BN + tl.arange(0, BN)
     o_packed = 2 * i_n * BN + tl.arange(0, 2 * BN)
     m_rows = o_rows[:, None] < M
-    b_da = tl.load(
-        da_ptr + o_rows[:, None] * stride_da + o_cols[None, :], mask=m_rows & (o_cols[None, :] < N)
-    )
+    p_da = da_ptr + o_rows[:, None] * stride_da + o_cols[None, :]
+    m_da = m_rows & (o_cols[None, :] < N)
+    b_da = tl.load(p_da, mask=m_da).to(tl.float32) * out_scale  # y carries the down multiplier
     p_s = s_ptr + o_rows[:, None] * stride_s + o_packed[None, :]
     m_s = m_rows & (o_packed[None, :] < 2 * N)
     b_s = tl.load(p_s, mask=m_s).to(tl.float32)
-    # [BM, chunks, 2, CHUNK] * [BM, chunks, 1, CHUNK]: the same dA scales the up and the gate factor.
-    b_grad = tl.reshape(b_s, (BM, BN // CHUNK_, 2, CHUNK_)) * tl.reshape(
-        b_da.to(tl.float32), (BM, BN // CHUNK_, 1, CHUNK_)
-    )
-    tl.store(p_s, tl.reshape(b_grad, (BM, 2 * BN)).to(s_ptr.dtype.element_ty), mask=m_s)
+    if SAVED == 1:
+        # Factors: [BM, chunks, 2, CHUNK] * [BM, chunks, 1, CHUNK], the same dA scales both halves.
+        b_grad = tl.reshape(
+            tl.reshape(b_s, (BM, BN // CHUNK_, 2, CHUNK_)) * tl.reshape(b_da, (BM, BN // CHUNK_, 1, CHUNK_)),
+            (BM, 2 * BN),
+        )
+    else:
+        # Pre-activations [u | unscaled gate]: the fused backward epilogue's arithmetic.
+        b_up, b_gate = unpack_columns(b_s, BM, 2 * BN, CHUNK_)
+        b_g = b_gate * gate_scale
+        b_silu, b_slope = silu_and_slope(b_g)
+        b_grad = pack_columns(b_da * b_silu, b_da * b_up * b_slope * gate_scale, BM, 2 * BN, CHUNK_)
+        tl.store(p_da, (b_silu * b_up * out_scale).to(da_ptr.dtype.element_ty), mask=m_da)
+    tl.store(p_s, b_grad.to(s_ptr.dtype.element_ty), mask=m_s)
 
 
-def glu_grad_(da: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """Overwrite ``factors`` [M, 2I] (packed, from a ``Saved.FACTORS`` forward) with [dU | dG]; returns it."""
+def glu_grad_(
+    da: torch.Tensor,
+    saved: torch.Tensor,
+    *,
+    kind: Saved = Saved.FACTORS,
+    gate_scale: float = 1.0,
+    out_scale: float = 1.0,
+) -> torch.Tensor:
+    """Overwrite ``saved`` [M, 2I] (packed, from the forward) with [dU | dG] for ``out_scale * da``.
+
+    ``kind`` says what ``saved`` holds. With ``Saved.PREACT``, ``da`` [M, I] is overwritten with the
+    recomputed ``out_scale * a``. Returns ``saved``.
+    """
+    if kind == Saved.NOTHING:
+        raise ValueError("the gradient pass needs saved factors or pre-activations")
     m, inter = da.shape
-    if factors.shape != (m, 2 * inter) or factors.stride(-1) != 1 or da.stride(-1) != 1:
+    if saved.shape != (m, 2 * inter) or saved.stride(-1) != 1 or da.stride(-1) != 1:
         raise ValueError(
-            f"expected row-major dA [M, I] and factors [M, 2I], got {da.shape} and {factors.shape}"
+            f"expected row-major dA [M, I] and a packed saved [M, 2I], got {da.shape} and {saved.shape}"
         )
     block_m, block_n = (16, 16) if interpreting() else (32, 128)
     grid = (triton.cdiv(m, block_m), triton.cdiv(inter, block_n))
     _glu_grad_kernel[grid](
         da,
-        factors,
+        saved,
         m,
         inter,
         da.stride(0),
-        factors.stride(0),
+        saved.stride(0),
+        float(gate_scale),
+        float(out_scale),
+        SAVED=int(kind),
         BM=block_m,
         BN=block_n,
         CHUNK_=CHUNK,
         num_warps=4,
     )
-    return factors
+    return saved
