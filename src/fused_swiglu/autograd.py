@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.common import Saved, interpreting, tma_ready
+from .kernels.common import CHUNK, Saved, empty, interpreting, tma_ready
 from .kernels.configs import gemms_on_cublas, inference_uses_cublas
 from .kernels.glu_activation import glu_activation
 from .kernels.glu_backward import glu_backward_
@@ -28,6 +28,12 @@ from .kernels.glu_split import glu_backward_split_, glu_forward_split
 
 #: What the forward kernel writes in training, per save mode.
 KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
+
+#: The GLU operator's recompute backward redoes the [M, 2I] factors in this many column pieces, each
+#: released before the next is made, so only one piece is alive beside dX and dW. Two, because dX
+#: is then the sum of two partial products rounded to x's dtype, as in eager PyTorch, which adds
+#: its two projections' input gradients; more pieces would add roundings to dX.
+GLU_RECOMPUTE_PIECES = 2
 
 
 def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, **kwargs):
@@ -149,11 +155,39 @@ class SwiGLULinearFunction(torch.autograd.Function):
     def backward(ctx, da):
         _start_backward(ctx)
         x, w_gate_up, factors = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        da = da.contiguous()
         if ctx.kept == Saved.NOTHING:
-            _, factors = _forward(
-                x, w_gate_up, gate_scale=ctx.gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
-            )
-        grad_gate_up = glu_grad_(da.contiguous(), factors)  # in place: factors become [dU | dG]
-        dx = torch.mm(grad_gate_up, w_gate_up) if ctx.needs_input_grad[0] else None
-        dw_gate_up = torch.mm(grad_gate_up.t(), x) if ctx.needs_input_grad[1] else None
+            dx, dw_gate_up = _glu_grads_recomputed(x, w_gate_up, da, ctx.gate_multiplier, need_dx, need_dw)
+            return dx, dw_gate_up, None, None
+        grad_gate_up = glu_grad_(da, factors)  # in place: factors become [dU | dG]
+        dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
+        dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
         return dx, dw_gate_up, None, None
+
+
+def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, need_dx: bool, need_dw: bool):
+    """dX and the packed dW of the GLU operator, its factors recomputed piece by piece.
+
+    Piece k covers intermediate columns [k * width, (k + 1) * width): packed weight rows
+    [2k * width, 2(k + 1) * width), whole chunks. Its factors become its packed gradient in place,
+    give dW's rows of the piece and add the piece's term to dX, and are released.
+    """
+    inter = da.shape[1]
+    pieces = GLU_RECOMPUTE_PIECES if inter % (GLU_RECOMPUTE_PIECES * CHUNK) == 0 else 1
+    width = inter // pieces
+    dx = None
+    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw else None
+    for k in range(pieces):
+        rows = slice(2 * k * width, 2 * (k + 1) * width)
+        w_piece = w_gate_up[rows]  # a row block of a TMA-ready weight: still TMA-ready
+        _, grad = _forward(
+            x, w_piece, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
+        )
+        glu_grad_(da[:, k * width : (k + 1) * width], grad)  # in place: the piece's [dU | dG]
+        if need_dw:
+            torch.mm(grad.t(), x, out=dw_gate_up[rows])
+        if need_dx:
+            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
+        del grad  # before the next piece is made
+    return dx, dw_gate_up
