@@ -4,6 +4,7 @@ import dataclasses
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ import torch
 import fused_swiglu.autograd as autograd_mod
 import fused_swiglu.functional as functional_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
+from fused_swiglu.autograd import KEPT
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import inference_uses_cublas
+from fused_swiglu.layout import CHUNK
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
     accuracy_rows,
@@ -25,12 +28,15 @@ from fused_swiglu.testing import (
 
 MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.5, 2.0), id="mult0.5-2")]
 SAVES = ["factors", "preact", "recompute"]
-# What the fused forward kernel writes besides a, per launch: recompute runs it again in the backward.
-KERNEL_SAVES = {
-    "factors": [Saved.FACTORS],
-    "preact": [Saved.PREACT],
-    "recompute": [Saved.NOTHING, Saved.FACTORS],
-}
+
+
+def kernel_saves(save: str, inter: int) -> list[Saved]:
+    """What the forward writes besides a, per launch: recompute runs it again in the backward, once
+    per piece of the intermediate columns."""
+    if save != "recompute":
+        return [KEPT[save]]
+    pieces = autograd_mod.RECOMPUTE_PIECES if inter % (autograd_mod.RECOMPUTE_PIECES * CHUNK) == 0 else 1
+    return [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
 
 @pytest.fixture
@@ -72,7 +78,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, multipliers
     rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), dtype)
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
-    assert forward_saves == KERNEL_SAVES[save]
+    assert forward_saves == kernel_saves(save, shape[2])
 
 
 @pytest.mark.parametrize("save", SAVES)
@@ -87,8 +93,42 @@ def test_float32_gemms_on_cublas_match_reference(device, save, multipliers, forw
     rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), torch.float32)
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
-    assert forward_saves == KERNEL_SAVES[save]
+    assert forward_saves == kernel_saves(save, p.w_down.shape[1])
     assert fused_launches == []
+
+
+@pytest.mark.parametrize("needs", ["x", "weights", "all"])
+@pytest.mark.parametrize("cublas", [False, True], ids=["default-gemms", "fp32-gemms-on-cublas"])
+def test_recompute_backward_keeps_one_piece_alive(device, needs, cublas, monkeypatch):
+    """Each recomputed piece (its factors and its part of a) is released before the next is made,
+    and the pieces' gradient blocks and dX terms add up to the reference gradients."""
+    if cublas:
+        monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
+    alive, alive_at_launch = weakref.WeakSet(), []
+    for name in ("glu_forward", "glu_forward_split"):
+        real = getattr(autograd_mod, name)
+
+        def spy(*args, real=real, **kwargs):
+            alive_at_launch.append(len(alive))
+            a, saved = real(*args, **kwargs)
+            if saved is not None:
+                alive.update([a, saved])
+            return a, saved
+
+        monkeypatch.setattr(autograd_mod, name, spy)
+    multipliers = {"gate_multiplier": 0.5, "down_multiplier": 2.0}
+    p = make_problem(45, 40, 96, dtype=torch.float32, device=device, **multipliers)
+    x = p.x.detach().requires_grad_(needs in ("x", "all"))
+    w_gate_up = p.w_gate_up.detach().requires_grad_(needs in ("weights", "all"))
+    w_down = p.w_down.detach().requires_grad_(needs in ("weights", "all"))
+    swiglu_mlp(x, w_gate_up, w_down, save="recompute", **multipliers).backward(p.dy)
+    assert alive_at_launch == [0] * (1 + autograd_mod.RECOMPUTE_PIECES)
+    assert len(alive) == 0
+    want = oracle_step(p)
+    for name, got in (("dx", x.grad), ("dw_gate_up", w_gate_up.grad), ("dw_down", w_down.grad)):
+        assert (got is None) == (needs == ("weights" if name == "dx" else "x")), name
+        if got is not None:
+            assert relative_error(got, want[name]) < 1e-5, name
 
 
 @pytest.mark.parametrize("rows", [5, 37, 130], ids=["decode-rows", "small-rows", "large-rows"])

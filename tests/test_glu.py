@@ -66,7 +66,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, gate_multip
     if save == "factors":
         assert launches == [Saved.FACTORS]
     else:  # the backward recomputes the factors piece by piece where the pieces are whole chunks
-        pieces = autograd_mod.GLU_RECOMPUTE_PIECES if shape[2] % (2 * CHUNK) == 0 else 1
+        pieces = autograd_mod.RECOMPUTE_PIECES if shape[2] % (2 * CHUNK) == 0 else 1
         assert launches == [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
 
@@ -93,7 +93,7 @@ def test_recompute_backward_keeps_one_piece_of_factors_alive(device, needs, cubl
     x = p.x.detach().requires_grad_(needs in ("x", "both"))
     w = p.w_gate_up.detach().requires_grad_(needs in ("weight", "both"))
     swiglu_linear(x, w, gate_multiplier=0.5, save="recompute").backward(p.da)
-    assert pieces_alive_at_launch == [0] * (1 + autograd_mod.GLU_RECOMPUTE_PIECES)
+    assert pieces_alive_at_launch == [0] * (1 + autograd_mod.RECOMPUTE_PIECES)
     assert len(alive) == 0
     want = glu_oracle_step(p)
     assert (x.grad is None) == (needs == "weight") and (w.grad is None) == (needs == "x")

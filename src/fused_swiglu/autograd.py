@@ -4,7 +4,8 @@ What is kept between forward and backward, per token (x and the weights not coun
 
 * ``"factors"``: [silu(g) | gate_multiplier * u * silu'(g)] (2I), plus a (I) for the MLP's dW_down;
 * ``"preact"``: [u | g] (2I); the MLP backward recomputes the sigmoid and ``a``;
-* ``"recompute"``: nothing; the backward first re-runs the fused gate/up GEMM (one more GEMM).
+* ``"recompute"``: nothing; the backward first re-runs the fused gate/up GEMM (one more GEMM), in
+  ``RECOMPUTE_PIECES`` column pieces, so that only one piece of what it recomputes is alive at a time.
 
 The backward overwrites the saved packed tensor with the packed pre-activation gradient, so a graph
 that kept one can be walked backward exactly once; a second walk (``retain_graph=True``) raises
@@ -29,11 +30,17 @@ from .kernels.glu_split import glu_backward_split_, glu_forward_split
 #: What the forward kernel writes in training, per save mode.
 KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
 
-#: The GLU operator's recompute backward redoes the [M, 2I] factors in this many column pieces, each
-#: released before the next is made, so only one piece is alive beside dX and dW. Two, because dX
-#: is then the sum of two partial products rounded to x's dtype, as in eager PyTorch, which adds
-#: its two projections' input gradients; more pieces would add roundings to dX.
-GLU_RECOMPUTE_PIECES = 2
+#: The recompute backward redoes the [M, 2I] factors (and, for the MLP, ``a``) in this many column
+#: pieces, each released before the next is made, so only one piece is alive beside the gradients.
+#: Two, because dX is then the sum of two partial products rounded to x's dtype, as in eager
+#: PyTorch, which adds its two projections' input gradients; more pieces would add roundings to dX.
+RECOMPUTE_PIECES = 2
+
+
+def _recompute_pieces(inter: int) -> tuple[int, int]:
+    """How many pieces of how many intermediate columns: whole packed chunks each, else one piece."""
+    pieces = RECOMPUTE_PIECES if inter % (RECOMPUTE_PIECES * CHUNK) == 0 else 1
+    return pieces, inter // pieces
 
 
 def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, **kwargs):
@@ -110,22 +117,12 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         _start_backward(ctx)
         x, w_gate_up, w_down, grad_gate_up, a = ctx.saved_tensors
         need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
-        kind = ctx.kept
-        if kind == Saved.NOTHING:
-            # Factors rather than pre-activations: the forward kernel writes a and the factors at the
-            # cost of one, and the factors make the backward epilogue cheaper.
-            a, grad_gate_up = _forward(
-                x,
-                w_gate_up,
-                gate_scale=ctx.gate_multiplier,
-                out_scale=ctx.down_multiplier,
-                save=Saved.FACTORS,
-            )
-            kind = Saved.FACTORS
         dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
-        recomputed = _backward_(
-            dy, w_down, grad_gate_up, gate_scale=ctx.gate_multiplier, out_scale=ctx.down_multiplier, kind=kind
-        )
+        scales = {"gate_scale": ctx.gate_multiplier, "out_scale": ctx.down_multiplier}
+        if ctx.kept == Saved.NOTHING:
+            needs = (need_dx, need_dw_gate_up, need_dw_down)
+            return (*_mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs), None, None, None)
+        recomputed = _backward_(dy, w_down, grad_gate_up, kind=ctx.kept, **scales)
         # From here on grad_gate_up holds [dU | dG] in packed column order.
         dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
         if ctx.kept == Saved.FACTORS:
@@ -158,29 +155,52 @@ class SwiGLULinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         da = da.contiguous()
         if ctx.kept == Saved.NOTHING:
-            dx, dw_gate_up = _glu_grads_recomputed(x, w_gate_up, da, ctx.gate_multiplier, need_dx, need_dw)
-            return dx, dw_gate_up, None, None
+            return (
+                *_glu_grads_recomputed(x, w_gate_up, da, ctx.gate_multiplier, need_dx, need_dw),
+                None,
+                None,
+            )
         grad_gate_up = glu_grad_(da, factors)  # in place: factors become [dU | dG]
         dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
         dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
         return dx, dw_gate_up, None, None
 
 
-def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, need_dx: bool, need_dw: bool):
-    """dX and the packed dW of the GLU operator, its factors recomputed piece by piece.
+def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gate_up, need_dw_down):
+    """dX and the packed dW_gate_up and dW_down of the MLP, ``a`` and the factors recomputed piece by
+    piece: piece k covers intermediate columns [k * width, (k + 1) * width), packed weight rows
+    [2k * width, 2(k + 1) * width) (whole chunks). Factors rather than pre-activations: the forward
+    kernel writes a and the factors at the cost of one, and they make the backward epilogue cheaper."""
+    pieces, width = _recompute_pieces(w_down.shape[1])
+    dx = None
+    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw_gate_up else None
+    dw_down = empty(tuple(w_down.shape), x) if need_dw_down else None
+    for k in range(pieces):
+        rows, cols = slice(2 * k * width, 2 * (k + 1) * width), slice(k * width, (k + 1) * width)
+        w_piece = w_gate_up[rows]  # row and column blocks of TMA-ready weights stay TMA-ready
+        a, grad = _forward(x, w_piece, save=Saved.FACTORS, **scales)
+        _backward_(dy, w_down[:, cols], grad, kind=Saved.FACTORS, **scales)  # grad: the piece's [dU | dG]
+        if need_dw_down:
+            torch.mm(dy.t(), a, out=dw_down[:, cols])  # a carries the down multiplier
+        del a
+        if need_dw_gate_up:
+            torch.mm(grad.t(), x, out=dw_gate_up[rows])
+        if need_dx:
+            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
+        del grad  # before the next piece is made
+    return dx, dw_gate_up, dw_down
 
-    Piece k covers intermediate columns [k * width, (k + 1) * width): packed weight rows
-    [2k * width, 2(k + 1) * width), whole chunks. Its factors become its packed gradient in place,
-    give dW's rows of the piece and add the piece's term to dX, and are released.
-    """
-    inter = da.shape[1]
-    pieces = GLU_RECOMPUTE_PIECES if inter % (GLU_RECOMPUTE_PIECES * CHUNK) == 0 else 1
-    width = inter // pieces
+
+def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, need_dx: bool, need_dw: bool):
+    """dX and the packed dW of the GLU operator, its factors recomputed piece by piece (as above):
+    each piece's factors become its packed gradient in place, give dW's rows of the piece and add
+    the piece's term to dX, and are released."""
+    pieces, width = _recompute_pieces(da.shape[1])
     dx = None
     dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw else None
     for k in range(pieces):
         rows = slice(2 * k * width, 2 * (k + 1) * width)
-        w_piece = w_gate_up[rows]  # a row block of a TMA-ready weight: still TMA-ready
+        w_piece = w_gate_up[rows]
         _, grad = _forward(
             x, w_piece, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
         )
