@@ -13,6 +13,9 @@ instead of reading overwritten memory. Double backward (``create_graph=True``) i
 
 Inference saves nothing. At decode sizes (``CUBLAS_DECODE_ROWS`` rows or fewer) it runs the gate/up GEMM
 on cuBLAS plus one activation pass, which measured faster there than the fused kernel.
+
+fp32 on a GPU runs both GLU GEMMs on cuBLAS with the SwiGLU in in-place passes beside them
+(``kernels/glu_split.py``): same saved tensors, same in-place contract, cuBLAS's fp32 speed.
 """
 
 from __future__ import annotations
