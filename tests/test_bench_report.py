@@ -102,3 +102,45 @@ def test_inference_only_measures_the_no_grad_forward_in_rotating_order(monkeypat
     assert not any(grad for _, grad in calls)
     timed = [name for name, _ in calls[2:]]  # after the two first calls
     assert timed == ["floor", "fused", "fused", "floor", "floor", "fused"]
+
+
+def test_inference_only_also_times_cuda_graph_replays(monkeypatch):
+    """With ``graphs``, each forward is also timed from its CUDA graph replay; an implementation that
+    cannot be captured is reported as such and the others are still timed."""
+    import torch
+
+    from fused_swiglu.bench import measure
+    from fused_swiglu.bench.decode import decode_table
+    from fused_swiglu.bench.impls import Impl
+
+    costs = {"floor": 2.0, "fused": 3.0, "peer": 4.0}
+    replay_costs = {"floor": 1.0, "fused": 0.9}
+
+    def capture(fn):
+        name = fn()  # the captured call
+        if name not in replay_costs:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda: ("replay", name)
+
+    def do_bench(fn, **_):
+        out = fn()
+        return replay_costs[out[1]] if isinstance(out, tuple) else costs[out]
+
+    monkeypatch.setattr(measure, "cuda_graph_replay", capture)
+    monkeypatch.setattr(measure, "do_bench", do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    impls = [Impl(name, (lambda name=name: name), step=lambda: None) for name in costs]
+    rows = measure.measure_impls(
+        impls, None, 0.0, reps=2, log=lambda _: None, inference_only=True, graphs=True
+    )
+
+    by_name = {r["impl"]: r for r in rows}
+    assert by_name["fused"]["graph_fwd_ms"] == 0.9 and by_name["fused"]["graph_fwd_vs_floor"] == 0.9
+    assert by_name["fused"]["no_grad_fwd_vs_floor"] == 1.5
+    assert "graph_fwd_ms" not in by_name["peer"] and "capturing" in by_name["peer"]["graph_failed"]
+    assert by_name["peer"]["no_grad_fwd_ms"] == 4.0
+    for row in rows:
+        row["M"] = 1
+    lines = decode_table(rows, markdown=True, metric="graph_fwd").splitlines()
+    assert "900.0 (0.90x)" in next(line for line in lines if line.startswith("| fused"))
+    assert "capture failed" in next(line for line in lines if line.startswith("| peer"))

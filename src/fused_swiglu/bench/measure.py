@@ -50,6 +50,22 @@ def _no_grad(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return run
 
 
+def cuda_graph_replay(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """``fn`` captured once in a CUDA graph; the returned replay runs its GPU work with no host work
+    per kernel, as a server that captures its decode step does. Warmed up on a side stream first,
+    as PyTorch requires before a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def measure_impls(
     impls: list[Impl | tuple[str, str]],
     grad_out: torch.Tensor,
@@ -58,12 +74,16 @@ def measure_impls(
     reps: int,
     log: Callable[[str], None] = print,
     inference_only: bool = False,
+    graphs: bool = False,
 ) -> list[dict]:
     """First call, memory and interleaved timings of ``impls`` (a ``(name, reason)`` pair marks a
     missing one); the first implementation named ``floor`` is the reference for the ratios.
-    ``inference_only`` times the no_grad forward alone (first call included), without memory."""
+    ``inference_only`` times the no_grad forward alone (first call included), without memory.
+    ``graphs`` also times that forward replayed from a CUDA graph (``graph_fwd_ms``); an
+    implementation that cannot be captured gets ``graph_failed`` instead."""
     rows: dict[str, dict] = {}
     ready: list[Impl] = []
+    replays: dict[str, Callable[[], None]] = {}
     for impl in impls:
         if isinstance(impl, tuple):
             rows[impl[0]] = {"impl": impl[0], "missing": impl[1]}
@@ -85,6 +105,12 @@ def measure_impls(
         rows[impl.name] = row
         ready.append(impl)
         log(f"  {impl.name}: first call {first:.2f} s")
+        if graphs:
+            try:
+                replays[impl.name] = cuda_graph_replay(_no_grad(impl.forward))
+            except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+                row["graph_failed"] = f"{type(e).__name__}: {e}"[:200]
+                log(f"  {impl.name}: CUDA graph capture failed ({row['graph_failed']})")
 
     samples: dict[tuple[str, str], list[float]] = {}
     for rep in range(reps):
@@ -96,6 +122,8 @@ def measure_impls(
             if not inference_only:
                 metrics = {"step_ms": (impl.step, impl.params), "fwd_ms": (impl.forward, [])}
             metrics["no_grad_fwd_ms"] = (_no_grad(impl.forward), [])
+            if impl.name in replays:
+                metrics["graph_fwd_ms"] = (replays[impl.name], [])
             for metric, (fn, grads) in metrics.items():
                 t = do_bench(fn, warmup=25, rep=100, grad_to_none=grads or None, return_mode="median")
                 samples.setdefault((impl.name, metric), []).append(t)
@@ -107,7 +135,7 @@ def measure_impls(
     for row in rows.values():
         if "step_ms" in row:
             row["tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
-        for metric in ("step_ms", "fwd_ms", "no_grad_fwd_ms"):
+        for metric in ("step_ms", "fwd_ms", "no_grad_fwd_ms", "graph_fwd_ms"):
             if metric in row and metric in floor:
                 row[metric.removesuffix("_ms") + "_vs_floor"] = row[metric] / floor[metric]
     return list(rows.values())
