@@ -1,6 +1,6 @@
 """Host time of one no_grad call at decode sizes, against the time the GPU needs for it.
 
-Run on the GPU: ``python benchmarks/decode_host_time.py``. For each layer of the inference path
+Run on the GPU: ``python benchmarks/decode_host_time.py [--commit SHA]``. For each layer of the inference path
 (the public call, the path under it, its cuBLAS + activation pieces), 300 calls are issued without
 waiting ("host issue" per call) and then waited for ("wall" per call): where host issue is close
 to wall, the host, not the GPU, sets the pace. Ends with a profile of the public call at 16 rows.
@@ -8,6 +8,7 @@ to wall, the host, not the GPU, sets the pace. Ends with a profile of the public
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import sys
@@ -17,6 +18,7 @@ import torch
 
 from fused_swiglu import swiglu_mlp
 from fused_swiglu.autograd import swiglu_mlp_no_grad
+from fused_swiglu.bench.report import provenance
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.testing import make_problem
 
@@ -72,4 +74,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    meta = provenance(ap.parse_args().commit)
+    print(
+        f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}",
+        flush=True,
+    )
     main()

@@ -1,19 +1,21 @@
 """fp32 training step of every save mode against eager PyTorch, with TF32 on and off.
 
-Run on the GPU: ``python benchmarks/fp32_step.py [M HIDDEN INTERMEDIATE]`` (default 4096 4096 11008).
+Run on the GPU: ``python benchmarks/fp32_step.py [--shape M HIDDEN INTERMEDIATE] [--commit SHA]``
+(default shape 4096 4096 11008; the commit defaults to ``git rev-parse HEAD``).
 Per TF32 setting, each implementation's fwd+bwd is timed (``do_bench`` median) in three rounds and
 reported as the median, with its ratio to eager's and the extra peak memory of one step.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 
 import torch
 from triton.testing import do_bench
 
 from fused_swiglu import swiglu_mlp
+from fused_swiglu.bench.report import provenance
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import make_problem
 
@@ -57,4 +59,13 @@ def main(m: int, hidden: int, inter: int) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(v) for v in sys.argv[1:4] or (4096, 4096, 11008)))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", type=int, nargs=3, default=[4096, 4096, 11008], metavar=("M", "H", "I"))
+    ap.add_argument("--commit")
+    args = ap.parse_args()
+    meta = provenance(args.commit)
+    print(
+        f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}",
+        flush=True,
+    )
+    main(*args.shape)
