@@ -1,0 +1,172 @@
+"""Side-by-side A/B of library variants inside the whole training step, against the GEMM floor.
+
+Run on the GPU: ``python benchmarks/ab_step.py --out ab.json [--commit SHA] [--only NAME]``. Two
+experiments, each over the five benchmark shapes and the GLU operator at (11136, 3584, 14336):
+
+- ``recompute-pieces``: the ``save="recompute"`` step with the factors recomputed whole and in
+  ``RECOMPUTE_PIECES`` column pieces (time and extra peak memory);
+- ``forward-epilogue``: the ``save="factors"`` step with the training forward tile as configured,
+  and with its epilogue stored in quarters (three and four pipeline stages).
+
+Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
+the order rotating between repetitions), so the ratios compare runs taken side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+import fused_swiglu.autograd as autograd_mod
+import fused_swiglu.kernels.glu_forward as glu_forward_mod
+from fused_swiglu.bench.glu import GLUFloor
+from fused_swiglu.bench.impls import GemmFloor
+from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.kernels.common import Saved
+from fused_swiglu.nn import SwiGLULinear, SwiGLUMLP
+
+GLU_SHAPE = (11136, 3584, 14336)
+
+
+@contextlib.contextmanager
+def recompute_pieces(pieces: int):
+    default = autograd_mod.RECOMPUTE_PIECES
+    autograd_mod.RECOMPUTE_PIECES = pieces
+    try:
+        yield
+    finally:
+        autograd_mod.RECOMPUTE_PIECES = default
+
+
+@contextlib.contextmanager
+def training_forward_tile(**changes):
+    """Replace fields of the training forward tile (saves something, large M); inference keeps its own."""
+    configured = glu_forward_mod.forward_config
+
+    def patched(m, hidden, inter, dtype, on_gpu, save=Saved.NOTHING, precision="tf32"):
+        cfg = configured(m, hidden, inter, dtype, on_gpu, save, precision)
+        if save == Saved.NOTHING or m <= 64:
+            return cfg
+        return dataclasses.replace(cfg, **changes)
+
+    glu_forward_mod.forward_config = patched
+    try:
+        yield
+    finally:
+        glu_forward_mod.forward_config = configured
+
+
+EXPERIMENTS = {
+    "recompute-pieces": (
+        "recompute",
+        {
+            "whole": lambda: recompute_pieces(1),
+            "pieces": lambda: recompute_pieces(autograd_mod.RECOMPUTE_PIECES),
+        },
+    ),
+    "forward-epilogue": (
+        "factors",
+        {
+            "configured": contextlib.nullcontext,
+            "e4 s3": lambda: training_forward_tile(epilogue_split=4),
+            "e4 s4": lambda: training_forward_tile(epilogue_split=4, num_stages=4),
+        },
+    ),
+}
+
+
+def variant(context, step):
+    def run() -> None:
+        with context():
+            step()
+
+    return run
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def problems(save: str):
+    """(label, floor step, library step, leaves): the MLP shapes, then the GLU operator."""
+    for name, (m, h, i) in SHAPES.items():
+        torch.manual_seed(0)
+        module = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        floor = GemmFloor(x, module.gate_up_proj, module.down_proj.weight, dy)
+        step = lambda module=module, x=x, dy=dy: module(x).backward(dy)  # noqa: E731
+        yield f"mlp {name}", floor.step, step, [x, *module.parameters()]
+    m, h, i = GLU_SHAPE
+    torch.manual_seed(0)
+    glu = SwiGLULinear(h, i, save=save, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    da = torch.randn(m, i, device="cuda", dtype=torch.bfloat16)
+    floor = GLUFloor(x, glu.gate_up_proj.detach())
+    yield "glu M11136-H3584-I14336", floor.step, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
+
+
+def run_experiment(name: str, reps: int) -> list[dict]:
+    save, variants = EXPERIMENTS[name]
+    rows = []
+    for label, floor_step, step, leaves in problems(save):
+        fns = {"floor": floor_step} | {v: variant(ctx, step) for v, ctx in variants.items()}
+        peaks = {}
+        for v in [v for v in fns if v != "floor"]:
+            try:
+                peaks[v] = peak_mib(fns[v])
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build is a result, not a crash
+                print(f"  {v}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+                rows.append({"experiment": name, "problem": label, "variant": v, "error": str(e)[:500]})
+                del fns[v]
+        times: dict[str, list[float]] = {v: [] for v in fns}
+        order = list(fns)
+        for rep in range(reps):
+            for v in order[rep % len(order) :] + order[: rep % len(order)]:
+                times[v].append(do_bench(fns[v], warmup=25, rep=200, grad_to_none=leaves))
+        floor_ms = statistics.median(times["floor"])
+        print(f"\n== {name} / {label} (save={save}): floor {floor_ms:.3f} ms", flush=True)
+        for v, values in times.items():
+            ms = statistics.median(values)
+            peak = peaks.get(v)
+            rows.append(
+                {"experiment": name, "problem": label, "variant": v, "ms": ms, "vs_floor": ms / floor_ms}
+                | {"peak_mib": peak, "spread_ms": [min(values), max(values)]}
+            )
+            peak_text = "" if peak is None else f"  peak +{peak:.0f} MiB"
+            print(f"  {v:<10} {ms:8.3f} ms  {ms / floor_ms:.3f}x floor{peak_text}", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="ab.json")
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    ap.add_argument("--only", choices=sorted(EXPERIMENTS), action="append", help="run only these experiments")
+    args = ap.parse_args()
+    meta = provenance(args.commit)
+    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    rows: list[dict] = []
+    for name in args.only or list(EXPERIMENTS):
+        rows += run_experiment(name, args.reps)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
