@@ -1,16 +1,12 @@
 """Side-by-side A/B of library variants inside the whole training step, against the GEMM floor.
 
-Run on the GPU: ``python benchmarks/ab_step.py --out ab.json [--commit SHA] [--only NAME ...]``.
-Each experiment runs over the five benchmark shapes and the GLU operator at (11136, 3584, 14336):
+Run on the GPU: ``python benchmarks/ab_step.py --out ab.json [--commit SHA] [--only NAME]``. Two
+experiments, each over the five benchmark shapes and the GLU operator at (11136, 3584, 14336):
 
 - ``recompute-pieces``: the ``save="recompute"`` step with the factors recomputed whole and in
   ``RECOMPUTE_PIECES`` column pieces (time and extra peak memory);
 - ``forward-epilogue``: the ``save="factors"`` step with the training forward tile as configured,
-  and with its epilogue stored in quarters (three and four pipeline stages);
-- ``forward-store``, ``forward-store-preact``: the step with the training forward's epilogue stored
-  by TMA (as configured) and by plain stores from registers, in halves with three and four stages
-  and in one piece;
-- ``inference-store``: the no-grad forward with TMA stores and with plain stores.
+  and with its epilogue stored in quarters (three and four pipeline stages).
 
 Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
 the order rotating between repetitions), so the ratios compare runs taken side by side.
@@ -21,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import statistics
 import sys
@@ -52,14 +47,13 @@ def recompute_pieces(pieces: int):
 
 
 @contextlib.contextmanager
-def forward_tile(phase: str, **changes):
-    """Replace fields of the large-M forward tile of one phase ("training": saves something, or
-    "inference"); the other phase and decode-sized tiles keep their own."""
+def training_forward_tile(**changes):
+    """Replace fields of the training forward tile (saves something, large M); inference keeps its own."""
     configured = glu_forward_mod.forward_config
 
     def patched(m, hidden, inter, dtype, on_gpu, save=Saved.NOTHING, precision="tf32"):
         cfg = configured(m, hidden, inter, dtype, on_gpu, save, precision)
-        if (save == Saved.NOTHING) != (phase == "inference") or m <= 64:
+        if save == Saved.NOTHING or m <= 64:
             return cfg
         return dataclasses.replace(cfg, **changes)
 
@@ -70,16 +64,9 @@ def forward_tile(phase: str, **changes):
         glu_forward_mod.forward_config = configured
 
 
-PLAIN_STORES = {
-    "ptr e2 s3": {"tma_store": False},
-    "ptr e2 s4": {"tma_store": False, "num_stages": 4},
-    "ptr e1 s3": {"tma_store": False, "epilogue_split": 1},
-}
-#: name -> (save mode, timed call: "step" = forward + backward, "no_grad" = inference forward, variants)
 EXPERIMENTS = {
     "recompute-pieces": (
         "recompute",
-        "step",
         {
             "whole": lambda: recompute_pieces(1),
             "pieces": lambda: recompute_pieces(autograd_mod.RECOMPUTE_PIECES),
@@ -87,32 +74,10 @@ EXPERIMENTS = {
     ),
     "forward-epilogue": (
         "factors",
-        "step",
         {
             "configured": contextlib.nullcontext,
-            "e4 s3": lambda: forward_tile("training", epilogue_split=4),
-            "e4 s4": lambda: forward_tile("training", epilogue_split=4, num_stages=4),
-        },
-    ),
-    "forward-store": (
-        "factors",
-        "step",
-        {"configured": contextlib.nullcontext}
-        | {v: functools.partial(forward_tile, "training", **c) for v, c in PLAIN_STORES.items()},
-    ),
-    "forward-store-preact": (
-        "preact",
-        "step",
-        {"configured": contextlib.nullcontext}
-        | {v: functools.partial(forward_tile, "training", **c) for v, c in PLAIN_STORES.items()},
-    ),
-    "inference-store": (
-        "factors",
-        "no_grad",
-        {
-            "configured": contextlib.nullcontext,
-            "ptr e1 s3": lambda: forward_tile("inference", tma_store=False),
-            "ptr e1 s4": lambda: forward_tile("inference", tma_store=False, num_stages=4),
+            "e4 s3": lambda: training_forward_tile(epilogue_split=4),
+            "e4 s4": lambda: training_forward_tile(epilogue_split=4, num_stages=4),
         },
     ),
 }
@@ -135,46 +100,29 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def problems(save: str, call: str):
-    """(label, floor, library call, leaves): the MLP shapes, then the GLU operator. ``call`` is "step"
-    (forward and backward, against the step's GEMMs) or "no_grad" (against the forward's GEMMs)."""
+def problems(save: str):
+    """(label, floor step, library step, leaves): the MLP shapes, then the GLU operator."""
     for name, (m, h, i) in SHAPES.items():
         torch.manual_seed(0)
         module = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         floor = GemmFloor(x, module.gate_up_proj, module.down_proj.weight, dy)
-        if call == "step":
-            fused = lambda module=module, x=x, dy=dy: module(x).backward(dy)  # noqa: E731
-            yield f"mlp {name}", floor.step, fused, [x, *module.parameters()]
-        else:
-            yield f"mlp {name}", floor.forward, no_grad(lambda module=module, x=x: module(x)), None
+        step = lambda module=module, x=x, dy=dy: module(x).backward(dy)  # noqa: E731
+        yield f"mlp {name}", floor.step, step, [x, *module.parameters()]
     m, h, i = GLU_SHAPE
     torch.manual_seed(0)
-    glu = SwiGLULinear(
-        h, i, save=save if save != "preact" else "factors", device="cuda", dtype=torch.bfloat16
-    )
+    glu = SwiGLULinear(h, i, save=save, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     da = torch.randn(m, i, device="cuda", dtype=torch.bfloat16)
     floor = GLUFloor(x, glu.gate_up_proj.detach())
-    if call == "step":
-        yield "glu M11136-H3584-I14336", floor.step, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
-    else:
-        yield "glu M11136-H3584-I14336", floor.forward, no_grad(lambda: glu(x)), None
-
-
-def no_grad(fn):
-    def run():
-        with torch.no_grad():
-            fn()
-
-    return run
+    yield "glu M11136-H3584-I14336", floor.step, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
 
 
 def run_experiment(name: str, reps: int) -> list[dict]:
-    save, call, variants = EXPERIMENTS[name]
+    save, variants = EXPERIMENTS[name]
     rows = []
-    for label, floor_step, step, leaves in problems(save, call):
+    for label, floor_step, step, leaves in problems(save):
         fns = {"floor": floor_step} | {v: variant(ctx, step) for v, ctx in variants.items()}
         peaks = {}
         for v in [v for v in fns if v != "floor"]:
@@ -190,7 +138,7 @@ def run_experiment(name: str, reps: int) -> list[dict]:
             for v in order[rep % len(order) :] + order[: rep % len(order)]:
                 times[v].append(do_bench(fns[v], warmup=25, rep=200, grad_to_none=leaves))
         floor_ms = statistics.median(times["floor"])
-        print(f"\n== {name} / {label} (save={save}, {call}): floor {floor_ms:.3f} ms", flush=True)
+        print(f"\n== {name} / {label} (save={save}): floor {floor_ms:.3f} ms", flush=True)
         for v, values in times.items():
             ms = statistics.median(values)
             peak = peaks.get(v)
@@ -208,7 +156,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
-    ap.add_argument("--only", choices=sorted(EXPERIMENTS), nargs="+", help="run only these experiments")
+    ap.add_argument("--only", choices=sorted(EXPERIMENTS), action="append", help="run only these experiments")
     args = ap.parse_args()
     meta = provenance(args.commit)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")

@@ -51,22 +51,13 @@ def _descriptor_type(block: list[int], dtype: torch.dtype) -> str:
     )[0]
 
 
-def _compile(
-    fn,
-    descriptors: dict,
-    scalars: dict,
-    constants: dict,
-    cfg: TileConfig,
-    target: GPUTarget,
-    aligned: list[int] = (),
-):
+def _compile(fn, descriptors: dict, scalars: dict, constants: dict, cfg: TileConfig, target: GPUTarget):
     meta = cfg.kernel_meta()
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     constants = {**constants, **meta}
     signature = {**descriptors, **scalars, **dict.fromkeys(constants, "constexpr")}
     signature = {name: signature[name] for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    return triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
+    return triton.compile(ASTSource(fn, signature, constants), target=target, options=options)
 
 
 def forward_kernel(
@@ -84,25 +75,15 @@ def forward_kernel(
     descriptors = {
         "x_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
         "w_desc": _descriptor_type([2 * cfg.block_n, cfg.block_k], dtype),
+        "a_desc": _descriptor_type([cfg.block_m, width], dtype),
     }
-    constants = {"WRITE_A": True, "SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
-    constants["TMA_STORE"] = cfg.tma_store
+    constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    if save == Saved.NOTHING:
+        constants["s_desc"] = None
+    else:
+        descriptors["s_desc"] = _descriptor_type([cfg.block_m, 2 * width], dtype)
     scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
-    outputs = {"a": [cfg.block_m, width]} | ({} if save == Saved.NOTHING else {"s": [cfg.block_m, 2 * width]})
-    for out in ("a", "s"):
-        if out in outputs and cfg.tma_store:
-            descriptors[f"{out}_desc"] = _descriptor_type(outputs[out], dtype)
-        else:
-            constants[f"{out}_desc"] = None
-        if out in outputs and not cfg.tma_store:
-            scalars[f"{out}_ptr"] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-        else:
-            constants[f"{out}_ptr"] = None
-        scalars[f"stride_{out}"] = "i32"
-    # The launcher's pointers and row strides are multiples of 16, which Triton specializes on.
-    specialized = {"a_ptr", "s_ptr", "stride_a", "stride_s"} & set(scalars)
-    aligned = [i for i, name in enumerate(_glu_forward_kernel.arg_names) if name in specialized]
-    return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg, target, aligned)
+    return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg, target)
 
 
 def backward_kernel(

@@ -37,10 +37,6 @@ class TileConfig:
     # Resident programs per multiprocessor: with 2, one program's epilogue overlaps the other's
     # main loop (needs at most half the shared memory each).
     ctas_per_sm: int = 1
-    # Forward epilogue stores: TMA (staged through shared memory; Triton waits for every outstanding
-    # store before the next staging write) or plain masked stores from registers, which the program
-    # does not wait for.
-    tma_store: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "epilogue_split"):

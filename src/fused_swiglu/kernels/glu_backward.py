@@ -144,8 +144,6 @@ def glu_backward_(
     inter = w_down.shape[1]
     precision = dot_precision(dy.dtype)
     cfg = config or backward_config(m, hidden, inter, dy.dtype, not interpreting(), kind)
-    if not cfg.tma_store:
-        raise ValueError("the backward kernel stores through TMA only (tma_store=False is a forward option)")
     width = cfg.block_n // cfg.epilogue_split
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)

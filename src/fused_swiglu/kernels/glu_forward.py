@@ -37,67 +37,42 @@ from .configs import TileConfig, forward_config
 
 
 @triton.jit
-def _store(desc, ptr, stride, o_m, o_n, rows, cols, b, BM: tl.constexpr, W: tl.constexpr, TMA: tl.constexpr):
-    """Store the [BM, W] block ``b`` at (o_m, o_n) of a [rows, cols] tensor: by TMA, or from registers."""
-    if TMA:
-        desc.store([o_m, o_n], b.to(desc.dtype))
-    else:
-        r = o_m + tl.arange(0, BM)
-        c = o_n + tl.arange(0, W)
-        offsets = r.to(tl.int64)[:, None] * stride + c[None, :]
-        tl.store(ptr + offsets, b.to(ptr.dtype.element_ty), mask=(r[:, None] < rows) & (c[None, :] < cols))
-
-
-@triton.jit
 def _forward_epilogue(
     b_acc,  # [BM, W] fp32, packed columns starting at packed column 2 * o_n
     a_desc,
     s_desc,
-    a_ptr,
-    s_ptr,
-    stride_a,
-    stride_s,
-    M,
-    N,
     o_m,
     o_n,
     gate_scale,
     out_scale,
-    WRITE_A: tl.constexpr,
     SAVE: tl.constexpr,
     BM: tl.constexpr,
     W: tl.constexpr,
     CHUNK_: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     b_up, b_gate = unpack_columns(b_acc, BM, W, CHUNK_)  # [BM, W/2] each
     b_g = b_gate * gate_scale
     b_silu, b_slope = silu_and_slope(b_g)
-    if WRITE_A:
-        _store(a_desc, a_ptr, stride_a, o_m, o_n, M, N, b_silu * b_up * out_scale, BM, W // 2, TMA)
+    if a_desc is not None:
+        a_desc.store([o_m, o_n], (b_silu * b_up * out_scale).to(a_desc.dtype))
     if SAVE == 1:
         b_factors = pack_columns(b_silu, b_up * b_slope * gate_scale, BM, W, CHUNK_)
-        _store(s_desc, s_ptr, stride_s, o_m, 2 * o_n, M, 2 * N, b_factors, BM, W, TMA)
+        s_desc.store([o_m, 2 * o_n], b_factors.to(s_desc.dtype))
     elif SAVE == 2:
-        _store(s_desc, s_ptr, stride_s, o_m, 2 * o_n, M, 2 * N, b_acc, BM, W, TMA)
+        s_desc.store([o_m, 2 * o_n], b_acc.to(s_desc.dtype))
 
 
 @triton.jit
 def _glu_forward_kernel(
     x_desc,  # [M, K]
     w_desc,  # [2N, K] packed
-    a_desc,  # [M, N], or None (pointer stores, or a not written)
-    s_desc,  # [M, 2N] packed, or None (pointer stores, or nothing saved)
-    a_ptr,  # a itself for pointer stores, else None
-    s_ptr,  # the saved tensor itself for pointer stores, else None
-    stride_a,
-    stride_s,
+    a_desc,  # [M, N], or None
+    s_desc,  # [M, 2N] packed, or None
     M,
     N,
     K,
     gate_scale,
     out_scale,
-    WRITE_A: tl.constexpr,
     SAVE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -107,7 +82,6 @@ def _glu_forward_kernel(
     FLATTEN: tl.constexpr,
     CHUNK_: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    TMA_STORE: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -123,36 +97,29 @@ def _glu_forward_kernel(
             b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
         W: tl.constexpr = 2 * BN // EPI_SPLIT  # packed columns per epilogue piece
         N_W: tl.constexpr = W // 2  # intermediate columns per piece
-        # Column pieces, each still whole packed chunks: smaller epilogue staging buffers.
         if EPI_SPLIT == 1:
-            pieces = (b_acc,)
-        elif EPI_SPLIT == 2:
-            pieces = split_halves(b_acc, BM, 2 * BN)
+            _forward_epilogue(b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
         else:
+            # Column pieces, each still whole packed chunks: smaller epilogue staging buffers.
             b_lo, b_hi = split_halves(b_acc, BM, 2 * BN)
-            pieces = split_halves(b_lo, BM, BN) + split_halves(b_hi, BM, BN)
-        for p in tl.static_range(EPI_SPLIT):
-            _forward_epilogue(
-                pieces[p],
-                a_desc,
-                s_desc,
-                a_ptr,
-                s_ptr,
-                stride_a,
-                stride_s,
-                M,
-                N,
-                o_m,
-                o_n + p * N_W,
-                gate_scale,
-                out_scale,
-                WRITE_A,
-                SAVE,
-                BM,
-                W,
-                CHUNK_,
-                TMA_STORE,
-            )
+            if EPI_SPLIT == 2:
+                _forward_epilogue(b_lo, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
+                _forward_epilogue(
+                    b_hi, a_desc, s_desc, o_m, o_n + N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
+            else:
+                b_0, b_1 = split_halves(b_lo, BM, BN)
+                b_2, b_3 = split_halves(b_hi, BM, BN)
+                _forward_epilogue(b_0, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
+                _forward_epilogue(
+                    b_1, a_desc, s_desc, o_m, o_n + N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
+                _forward_epilogue(
+                    b_2, a_desc, s_desc, o_m, o_n + 2 * N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
+                _forward_epilogue(
+                    b_3, a_desc, s_desc, o_m, o_n + 3 * N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                )
 
 
 def glu_forward(
@@ -177,29 +144,22 @@ def glu_forward(
     precision = dot_precision(x.dtype)
     cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save, precision)
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
-    tma = cfg.tma_store
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
     _glu_forward_kernel[(persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),)](
         descriptor(x, [cfg.block_m, cfg.block_k]),
         descriptor(w_packed, [2 * cfg.block_n, cfg.block_k]),
-        None if a is None or not tma else descriptor(a, [cfg.block_m, width]),
-        None if saved is None or not tma else descriptor(saved, [cfg.block_m, 2 * width]),
-        None if tma else a,
-        None if tma else saved,
-        0 if a is None else a.stride(0),
-        0 if saved is None else saved.stride(0),
+        None if a is None else descriptor(a, [cfg.block_m, width]),
+        None if saved is None else descriptor(saved, [cfg.block_m, 2 * width]),
         m,
         inter,
         hidden,
         float(gate_scale),
         float(out_scale),
-        WRITE_A=write_a,
         SAVE=int(save),
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,
-        TMA_STORE=tma,
         **cfg.kernel_meta(),
     )
     return a, saved
