@@ -48,6 +48,13 @@ def test_markdown_and_json_carry_provenance(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["meta"]["gpu"] == "GPU"
 
 
+def test_markdown_names_the_dtype(tmp_path):
+    write_markdown(tmp_path / "bf16.md", META, {"tiny": ROWS}, [])
+    write_markdown(tmp_path / "fp16.md", META | {"dtype": "fp16"}, {"tiny": ROWS}, [])
+    assert "\nbf16, `triton.testing.do_bench`" in (tmp_path / "bf16.md").read_text()
+    assert "\nfp16, `triton.testing.do_bench`" in (tmp_path / "fp16.md").read_text()
+
+
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     from fused_swiglu.bench.report import write_plots

@@ -17,3 +17,9 @@ def test_check_passes_on_a_small_problem(capsys):
 def test_bench_without_gpu_says_so(capsys):
     assert main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert main(["bench", "--dtype", "fp16", "--glu", "--decode"]) == 2  # every option parses
+
+
+def test_bench_rejects_an_unsupported_dtype():
+    with pytest.raises(SystemExit):
+        main(["bench", "--dtype", "fp32"])

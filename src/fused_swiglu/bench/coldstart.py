@@ -7,12 +7,14 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 _CHILD = """
 import time, torch
 from fused_swiglu import SwiGLUMLP
-m, h, i, save = {m}, {h}, {i}, {save!r}
-mlp = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
-x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+m, h, i, save, dtype = {m}, {h}, {i}, {save!r}, getattr(torch, {dtype!r})
+mlp = SwiGLUMLP(h, i, save=save, device="cuda", dtype=dtype)
+x = torch.randn(m, h, device="cuda", dtype=dtype, requires_grad=True)
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 mlp(x).backward(torch.randn_like(x))
@@ -21,9 +23,11 @@ print(time.perf_counter() - t0)
 """
 
 
-def cold_start_seconds(m: int, hidden: int, inter: int, save: str) -> tuple[float, float]:
+def cold_start_seconds(
+    m: int, hidden: int, inter: int, save: str, dtype: torch.dtype = torch.bfloat16
+) -> tuple[float, float]:
     """(seconds with an empty kernel cache, seconds in a second process reusing that cache)."""
-    code = _CHILD.format(m=m, h=hidden, i=inter, save=save)
+    code = _CHILD.format(m=m, h=hidden, i=inter, save=save, dtype=str(dtype).removeprefix("torch."))
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         times = []

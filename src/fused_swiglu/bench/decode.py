@@ -23,16 +23,22 @@ DECODE_IMPL_NAMES = ("floor", "fused", "eager", "torch.compile", "liger", "flash
 
 
 def measure_decode(
-    hidden: int, inter: int, rows: list[int], *, reps: int, log: Callable[[str], None] = print
+    hidden: int,
+    inter: int,
+    rows: list[int],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    reps: int,
+    log: Callable[[str], None] = print,
 ) -> list[dict]:
     """One row per implementation and batch size: no_grad forward ms and its ratio to the floor's."""
     torch.manual_seed(0)
-    reference = EagerSwiGLUMLP(hidden, inter, device="cuda", dtype=torch.bfloat16)
+    reference = EagerSwiGLUMLP(hidden, inter, device="cuda", dtype=dtype)
     results = []
     for m in rows:
         log(f"  M={m}")
-        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, hidden, device="cuda", dtype=dtype)
+        dy = torch.randn(m, hidden, device="cuda", dtype=dtype)
         impls = []
         for name in DECODE_IMPL_NAMES:
             if name == "torch.compile":

@@ -70,9 +70,10 @@ def build_glu_impl(name: str, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch
     raise ValueError(f"unknown GLU implementation {name!r}")
 
 
-def measure_glu_shape(m: int, hidden: int, inter: int, impl_names, *, reps: int, log=print) -> list[dict]:
+def measure_glu_shape(
+    m: int, hidden: int, inter: int, impl_names, *, dtype: torch.dtype = torch.bfloat16, reps: int, log=print
+) -> list[dict]:
     torch.manual_seed(0)
-    dtype = torch.bfloat16
     x = torch.randn(m, hidden, device="cuda", dtype=dtype, requires_grad=True)
     w_gate, w_up = (torch.randn(inter, hidden, device="cuda", dtype=dtype) * hidden**-0.5 for _ in range(2))
     da = torch.randn(m, inter, device="cuda", dtype=dtype)
@@ -83,12 +84,12 @@ def measure_glu_shape(m: int, hidden: int, inter: int, impl_names, *, reps: int,
     return rows
 
 
-def measure_factor_gradient(m: int, hidden: int, inter: int) -> dict:
+def measure_factor_gradient(m: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The in-place [f_up | f_gate] * dA step alone: the Triton kernel against a broadcast ``mul_``."""
-    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
+    x = torch.randn(m, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(2 * inter, hidden, device="cuda", dtype=dtype) * hidden**-0.5
     _, pristine = glu_forward(x, w, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
-    da = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
+    da = torch.randn(m, inter, device="cuda", dtype=dtype)
     work = pristine.clone()
     chunk = 8
     copy = do_bench(lambda: work.copy_(pristine), return_mode="median")

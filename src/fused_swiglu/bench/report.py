@@ -67,7 +67,8 @@ def write_markdown(path: Path, meta: dict, shapes: dict[str, list[dict]], extra:
         "",
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit `{meta['commit'][:12]}`, "
         f"{meta['date']}. liger-kernel {meta['liger_kernel']}, flash-swiglu-mlp {meta['flash_swiglu_mlp']}.",
-        "bf16, `triton.testing.do_bench` medians of medians, all implementations interleaved in one process.",
+        f"{meta.get('dtype', 'bf16')}, `triton.testing.do_bench` medians of medians, all implementations "
+        "interleaved in one process.",
         "floor = the six cuBLAS GEMMs of a step on preallocated tensors. kept = memory held between forward",
         "and backward (output excluded); peak = extra memory of one step over weights and inputs.",
         "",

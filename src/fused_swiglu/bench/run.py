@@ -15,6 +15,9 @@ from .impls import IMPL_NAMES
 from .measure import measure_shape
 from .report import provenance, shape_table, write_json, write_markdown, write_plots
 
+#: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs, see ``benchmarks/fp32_step.py``).
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 SHAPES = {
     "llama3-8b": (8192, 4096, 14336),
     "qwen2.5-7b": (8192, 3584, 18944),
@@ -50,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="IMPL",
         help=f"implementations (default: all of {', '.join(IMPL_NAMES)})",
     )
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of every tensor")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per metric")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     parser.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
@@ -85,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shapes = {name: SHAPES[name] for name in args.shapes}
     shapes.update({f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape})
-    meta = provenance(args.commit)
+    meta = provenance(args.commit) | {"dtype": args.dtype}
+    dtype = DTYPES[args.dtype]
     print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit'][:12]}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -103,30 +108,32 @@ def run(args: argparse.Namespace) -> int:
 
     for name, (m, h, i) in shapes.items():
         print(f"\n{name}: M={m} hidden={h} intermediate={i}", flush=True)
-        results[name] = measure_shape(m, h, i, args.impls, reps=args.reps, log=lambda s: print(s, flush=True))
+        results[name] = measure_shape(
+            m, h, i, args.impls, dtype=dtype, reps=args.reps, log=lambda s: print(s, flush=True)
+        )
         print(shape_table(results[name]), flush=True)
         save()
     if args.glu is not None:
-        extra_md += _glu_section(args, extra_json)
+        extra_md += _glu_section(args, dtype, extra_json)
         save()
     if args.decode is not None:
-        extra_md += _decode_section(args, shapes, extra_json)
+        extra_md += _decode_section(args, dtype, shapes, extra_json)
         save()
     if args.cold_start:
-        extra_md += _cold_start_section(shapes, extra_json)
+        extra_md += _cold_start_section(shapes, dtype, extra_json)
     print("\nwrote " + ", ".join(str(p) for p in save()))
     return 0
 
 
-def _glu_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
+def _glu_section(args: argparse.Namespace, dtype: torch.dtype, extra_json: dict) -> list[str]:
     m, h, i = args.glu or (11136, 3584, 14336)
     name = f"GLU operator M{m}-H{h}-I{i}"
     print(f"\n{name}", flush=True)
     rows = measure_glu_shape(
-        m, h, i, list(GLU_IMPL_NAMES), reps=args.reps, log=lambda s: print(s, flush=True)
+        m, h, i, list(GLU_IMPL_NAMES), dtype=dtype, reps=args.reps, log=lambda s: print(s, flush=True)
     )
     print(shape_table(rows), flush=True)
-    grad = measure_factor_gradient(m, h, i)
+    grad = measure_factor_gradient(m, h, i, dtype)
     extra_json["glu"] = {"shape": [m, h, i], "rows": rows, "factor_gradient": grad}
     line = (
         f"In-place factor gradient alone ([f_up | f_gate] * dA, M={m}, I={i}): Triton kernel "
@@ -146,12 +153,19 @@ def _glu_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
     ]
 
 
-def _decode_section(args: argparse.Namespace, shapes: dict, extra_json: dict) -> list[str]:
+def _decode_section(
+    args: argparse.Namespace, dtype: torch.dtype, shapes: dict, extra_json: dict
+) -> list[str]:
     name, (_, h, i) = next(iter(shapes.items()), ("llama3-8b", SHAPES["llama3-8b"]))
     title = f"Decode sizes, no_grad forward ({name}: hidden={h}, intermediate={i})"
     print(f"\n{title}", flush=True)
     rows = measure_decode(
-        h, i, args.decode or list(DECODE_ROWS), reps=args.reps, log=lambda s: print(s, flush=True)
+        h,
+        i,
+        args.decode or list(DECODE_ROWS),
+        dtype=dtype,
+        reps=args.reps,
+        log=lambda s: print(s, flush=True),
     )
     print("Issued from Python:", decode_table(rows), sep="\n", flush=True)
     print("Replayed from a CUDA graph:", decode_table(rows, metric="graph_fwd"), sep="\n", flush=True)
@@ -177,18 +191,20 @@ def _decode_section(args: argparse.Namespace, shapes: dict, extra_json: dict) ->
     ]
 
 
-def _cold_start_section(shapes: dict, extra_json: dict) -> list[str]:
+def _cold_start_section(shapes: dict, dtype: torch.dtype, extra_json: dict) -> list[str]:
     name, (m, h, i) = next(iter(shapes.items()), ("llama3-8b", SHAPES["llama3-8b"]))
-    cold, warm = cold_start_seconds(m, h, i, DEFAULT_SAVE)
+    cold, warm = cold_start_seconds(m, h, i, DEFAULT_SAVE, dtype)
     extra_json["cold_start"] = {
         "shape": name,
         "save": DEFAULT_SAVE,
         "empty_cache_s": cold,
         "reused_cache_s": warm,
     }
+    dtype_name = str(dtype).removeprefix("torch.")
     line = (
-        f"First fwd+bwd ({DEFAULT_SAVE}) of a new shape ({name}) in a fresh process: {cold:.2f} s with an "
-        f"empty Triton cache, {warm:.2f} s in a second process reusing it (process start excluded)."
+        f"First fwd+bwd ({DEFAULT_SAVE}, {dtype_name}) of a new shape ({name}) in a fresh process: "
+        f"{cold:.2f} s with an empty Triton cache, {warm:.2f} s in a second process reusing it "
+        "(process start excluded)."
     )
     print("\n" + line, flush=True)
     return [line, ""]
