@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_swiglu.autograd as autograd_mod
-import fused_swiglu.functional as functional_mod
+import fused_swiglu.dispatch as dispatch_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
 from fused_swiglu.autograd import KEPT
 from fused_swiglu.kernels.common import Saved
@@ -305,15 +305,15 @@ def test_fused_kernels_only_where_their_tiles_are_built(monkeypatch, capability,
     """Hopper takes the fused kernels; newer GPUs, whose shared memory the tiles do not fit, take the
     reference with a warning; older ones (no TMA) take it silently."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
-    functional_mod._kernels_built_for.cache_clear()
+    dispatch_mod._kernels_built_for.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert functional_mod._kernels_built_for(0) is fused
-            assert functional_mod._kernels_built_for(0) is fused  # cached: one warning per device
+            assert dispatch_mod._kernels_built_for(0) is fused
+            assert dispatch_mod._kernels_built_for(0) is fused  # cached: one warning per device
         messages = [str(w.message) for w in caught]
         assert len(messages) == int(warns)
         if warns:
             assert f"sm_{capability[0]}{capability[1]}" in messages[0] and "reference" in messages[0]
     finally:
-        functional_mod._kernels_built_for.cache_clear()
+        dispatch_mod._kernels_built_for.cache_clear()

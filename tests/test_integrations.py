@@ -6,7 +6,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import fused_swiglu.autograd as autograd_mod
-from fused_swiglu import SwiGLUMLP, reference_swiglu, swiglu_linear, swiglu_mlp, unpack_gate_up
+from fused_swiglu import (
+    SwiGLULinear,
+    SwiGLUMLP,
+    ops,
+    reference_swiglu,
+    swiglu_linear,
+    swiglu_mlp,
+    unpack_gate_up,
+)
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
     accuracy_rows,
@@ -67,7 +75,8 @@ def test_factors_backward_releases_a_before_returning(device):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("save", SAVES)
 def test_module_under_torch_compile(device, save, backend):
-    """torch.compile runs the fused kernels behind a graph break, with the same results."""
+    """torch.compile runs the fused training step behind a graph break, and traces inference as the
+    library's custom op, with the same results."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     module = SwiGLUMLP(40, 72, save=save, device=device)
@@ -85,6 +94,77 @@ def test_module_under_torch_compile(device, save, backend):
         assert torch.equal(g, e)
     with torch.no_grad():
         assert torch.equal(compiled(x), expected[0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_inference_compiles_without_a_graph_break(device, backend, grad_off):
+    """fullgraph=True (which fails on any graph break) around both modules and a (gate, up) pair call,
+    with exactly the eager results: the same kernels run inside the custom ops."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(40, 72, device=device, gate_multiplier=0.5, down_multiplier=2.0)
+    glu = SwiGLULinear(40, 72, device=device)
+    gate, up = unpack_gate_up(glu.gate_up_proj.detach())
+
+    def block(x):
+        return mlp(x) + swiglu_mlp(glu(x)[..., :40].contiguous(), (gate, up), mlp.down_proj.weight)
+
+    x = torch.randn(2, 37, 40, device=device)
+    with grad_off():
+        expected = block(x)
+        got = torch.compile(block, backend=backend, fullgraph=True)(x)
+    assert torch.equal(got, expected)
+
+
+def test_inference_ops_pass_opcheck(device):
+    """Schema, fake (meta) implementations and AOT dispatch of the custom ops, by torch's own checker."""
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    mlp_args = (p.x, p.w_gate_up, p.w_down, 0.5, 2.0)
+    for op, args in (
+        (ops.swiglu_mlp_inference, mlp_args),
+        (ops.swiglu_linear_inference, mlp_args[:2] + (0.5,)),
+    ):
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_compiled_inference_under_autocast_and_with_bad_shapes(device):
+    """Under torch.compile, inference casts like eager under autocast, and a shape mismatch raises the
+    library's ValueError."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(40, 72, device=device)
+    x = torch.randn(37, 40, device=device)
+    dtype = (
+        torch.bfloat16 if device.type == "cuda" else torch.float16
+    )  # bf16 dots are wrong in the interpreter
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+        expected = mlp(x)
+        got = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)
+    assert got.dtype == expected.dtype == dtype and torch.equal(got, expected)
+    torch._dynamo.reset()
+    bad = torch.compile(
+        lambda x: swiglu_mlp(x, mlp.gate_up_proj, mlp.down_proj.weight[:, :64]), backend="eager"
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match="down weight"):
+        bad(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [5, 300])  # the decode path (cuBLAS + activation) and the fused kernel
+def test_inference_captured_in_cuda_graphs_by_torch_compile(device, rows):
+    """mode="reduce-overhead" records the compiled forward in a CUDA graph and replays it: the replays
+    give the eager result, also after the input changes in place."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(256, 512, device=device, dtype=torch.bfloat16)
+    compiled = torch.compile(mlp, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(rows, 256, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(4):  # warm-up, record, replays
+            x.normal_()
+            assert torch.equal(compiled(x).clone(), mlp(x))
 
 
 @pytest.mark.gpu

@@ -1,75 +1,38 @@
-"""Functional API: validation, then dispatch to the fused training path, the fused inference path, or
-the PyTorch reference where the fused kernels cannot run."""
+"""Functional API: packing, autocast and validation, then dispatch (dispatch.py) to the fused training
+path, the fused inference path, or the PyTorch reference where the fused kernels cannot run.
+
+Under ``torch.compile`` an inference call is traced as one custom op (ops.py); a training call runs
+eagerly behind one graph break, because its backward overwrites what the forward kept.
+"""
 
 from __future__ import annotations
 
 import functools
 import numbers
-import warnings
 from typing import Literal
 
 import torch
 
-from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction, swiglu_linear_no_grad, swiglu_mlp_no_grad
-from .kernels.common import interpreting, tma_ready
+from . import ops
+from .dispatch import fused_path_available, linear_2d, mlp_2d
 from .layout import check_intermediate_size, pack_gate_up
-from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
+
+__all__ = ["fused_path_available", "swiglu_linear", "swiglu_mlp"]
 
 SaveMode = Literal["factors", "preact", "recompute"]
 MLP_SAVE_MODES = ("factors", "preact", "recompute")
 # The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
 LINEAR_SAVE_MODES = ("factors", "recompute")
-# The fastest mode on the H200 at four of five benchmark shapes, with the same peak as "preact"
-# (docs/benchmarks/NOTES.md); "preact" keeps a third less between the passes for 0.5-5% of step time.
+# Over three benchmark runs on the H200 the faster of the two at qwen2.5-0.5b (3-6%), slower at
+# llama2-7b (1-2%), level elsewhere, with the same peak as "preact" (README, docs/benchmarks/NOTES.md);
+# "preact" keeps a third less between the passes.
 DEFAULT_SAVE: SaveMode = "factors"
-
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str:
     if save not in allowed:
         raise ValueError(f"save must be one of {list(allowed)}, got {save!r}")
     return save
-
-
-@functools.cache
-def _kernels_built_for(device_index: int) -> bool:
-    """Whether the fused kernels' tiles are built for this GPU: Hopper (compute capability 9.x).
-
-    They are sized for Hopper's 227 KB of shared memory per block and tested there. Compiled for
-    Blackwell, the pre-activation backward tile needs 256 KB on sm_100, and on sm_120 (99 KB) 28 of
-    the 30 tiles picked at llama3-8b do not fit or spill (benchmarks/kernel_resources.py --arch), so
-    newer GPUs take the PyTorch reference, with a warning once; older ones have no TMA. Cached: this
-    runs on every call.
-    """
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major > 9:
-        warnings.warn(
-            f"fused_swiglu: the fused kernels are built and tested for Hopper (sm_90); on this GPU "
-            f"(sm_{major}{minor}) the PyTorch reference runs instead, at eager speed and memory.",
-            stacklevel=4,
-        )
-    return major == 9
-
-
-def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
-    """Whether ``swiglu_mlp``/``swiglu_linear`` take the fused kernels for this input and packed weight.
-
-    They need fp16/bf16/fp32 on a Hopper GPU (compute capability 9.x), or CPU tensors under
-    the Triton interpreter; rows 16-byte aligned (hidden and intermediate times the item size
-    multiples of 16) and at least one token. Otherwise the PyTorch reference runs.
-    """
-    if x.dtype not in FUSED_DTYPES or x.numel() == 0:
-        return False
-    if x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if not _kernels_built_for(index):
-            return False
-    elif not (x.device.type == "cpu" and interpreting()):
-        return False
-    hidden = x.shape[-1]
-    inter = gate_up_weight.shape[0] // 2
-    return (hidden * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0
 
 
 def _check_multiplier(name: str, value) -> float:
@@ -137,27 +100,28 @@ def _autocast(*tensors):
     return tuple(cast(t) for t in tensors)
 
 
-def _training(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_autograd(*args) -> bool:
+    """Whether a call records a backward: grad mode on and some tensor argument (or one of a
+    ``(gate, up)`` pair) requiring grad."""
+    tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
-def _eager_under_compile(fn):
-    """``fn`` as is, or under torch.compile run eagerly behind one graph break: Dynamo would otherwise
-    trace the validation and dispatch (and warn about their cached helpers) and then the Triton
-    launchers, and the in-place backward has no functional form for it to capture. The check is made
-    per call because ``torch.compiler.disable`` imports Dynamo (about a second) and only a compiling
-    caller needs it."""
+def _graph_break_if_training(fn):
+    """Under torch.compile, a call that records a backward runs ``fn`` eagerly behind one graph break
+    (ops.py says why); anything else is traced. The check is made per call because
+    ``torch.compiler.disable`` imports Dynamo (about a second) and only a compiling caller needs it."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and _needs_autograd(*args):
             return torch.compiler.disable(fn)(*args, **kwargs)
         return fn(*args, **kwargs)
 
     return call
 
 
-@_eager_under_compile
+@_graph_break_if_training
 def swiglu_mlp(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -197,48 +161,14 @@ def swiglu_mlp(
     hidden = gate_up_weight.shape[1]
     x2d = x.reshape(-1, hidden)
 
-    if not fused_path_available(x2d, gate_up_weight):
-        y = reference_swiglu_mlp_packed(
-            x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
-        )
+    if torch.compiler.is_compiling():  # inference only (see _graph_break_if_training)
+        y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
     else:
-        y = _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
+        y = mlp_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
     return y.reshape(*x.shape[:-1], hidden)
 
 
-def _on_tensor_device(fn):
-    """Triton launches on the current CUDA device whatever device the tensors are on, so a call with
-    tensors elsewhere (no ``torch.cuda.set_device`` first) makes their device current around the
-    forward. Autograd already runs the backward with the tensors' device current."""
-
-    @functools.wraps(fn)
-    def call(x2d, *args):
-        if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x2d.device):
-                return fn(x2d, *args)
-        return fn(x2d, *args)
-
-    return call
-
-
-@_on_tensor_device
-def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
-    x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
-    if _training(x2d, gate_up_weight, down_weight):
-        args = (gate_multiplier, down_multiplier, save)
-        return SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, *args)
-    return swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
-
-
-@_on_tensor_device
-def _fused_linear(x2d, gate_up_weight, gate_multiplier, save):
-    x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
-    if _training(x2d, gate_up_weight):
-        return SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
-    return swiglu_linear_no_grad(x2d, gate_up_weight, gate_multiplier)
-
-
-@_eager_under_compile
+@_graph_break_if_training
 def swiglu_linear(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -266,8 +196,8 @@ def swiglu_linear(
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     two_inter, hidden = gate_up_weight.shape
     x2d = x.reshape(-1, hidden)
-    if not fused_path_available(x2d, gate_up_weight):
-        a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
+    if torch.compiler.is_compiling():  # inference only (see _graph_break_if_training)
+        a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier)
     else:
-        a = _fused_linear(x2d, gate_up_weight, gate_multiplier, save)
+        a = linear_2d(x2d, gate_up_weight, gate_multiplier, save)
     return a.reshape(*x.shape[:-1], two_inter // 2)

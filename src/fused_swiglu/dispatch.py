@@ -1,0 +1,107 @@
+"""Which path computes a call on validated 2-D inputs: the fused kernels (training or inference) or
+the PyTorch reference where they cannot run, with the tensors' device made current for the launches."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction, swiglu_linear_no_grad, swiglu_mlp_no_grad
+from .kernels.common import interpreting, tma_ready
+from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _kernels_built_for(device_index: int) -> bool:
+    """Whether the fused kernels' tiles are built for this GPU: Hopper (compute capability 9.x).
+
+    They are sized for Hopper's 227 KB of shared memory per block and tested there. Compiled for
+    Blackwell, the pre-activation backward tile needs 256 KB on sm_100, and on sm_120 (99 KB) 28 of
+    the 30 tiles picked at llama3-8b do not fit or spill (benchmarks/kernel_resources.py --arch), so
+    newer GPUs take the PyTorch reference, with a warning once; older ones have no TMA. Cached: this
+    runs on every call.
+    """
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major > 9:
+        warnings.warn(
+            f"fused_swiglu: the fused kernels are built and tested for Hopper (sm_90); on this GPU "
+            f"(sm_{major}{minor}) the PyTorch reference runs instead, at eager speed and memory.",
+            stacklevel=5,
+        )
+    return major == 9
+
+
+def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
+    """Whether ``swiglu_mlp``/``swiglu_linear`` take the fused kernels for this input and packed weight.
+
+    They need fp16/bf16/fp32 on a Hopper GPU (compute capability 9.x), or CPU tensors under
+    the Triton interpreter; rows 16-byte aligned (hidden and intermediate times the item size
+    multiples of 16) and at least one token. Otherwise the PyTorch reference runs.
+    """
+    if x.dtype not in FUSED_DTYPES or x.numel() == 0:
+        return False
+    if x.device.type == "cuda":
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if not _kernels_built_for(index):
+            return False
+    elif not (x.device.type == "cpu" and interpreting()):
+        return False
+    hidden = x.shape[-1]
+    inter = gate_up_weight.shape[0] // 2
+    return (hidden * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0
+
+
+def _training(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _on_tensor_device(fn):
+    """Triton launches on the current CUDA device whatever device the tensors are on, so a call with
+    tensors elsewhere (no ``torch.cuda.set_device`` first) makes their device current around the
+    forward. Autograd already runs the backward with the tensors' device current."""
+
+    @functools.wraps(fn)
+    def call(x2d, *args):
+        if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x2d.device):
+                return fn(x2d, *args)
+        return fn(x2d, *args)
+
+    return call
+
+
+@_on_tensor_device
+def _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+    x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
+    if _training(x2d, gate_up_weight, down_weight):
+        args = (gate_multiplier, down_multiplier, save)
+        return SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, *args)
+    return swiglu_mlp_no_grad(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
+
+
+@_on_tensor_device
+def _fused_linear(x2d, gate_up_weight, gate_multiplier, save):
+    x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
+    if _training(x2d, gate_up_weight):
+        return SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
+    return swiglu_linear_no_grad(x2d, gate_up_weight, gate_multiplier)
+
+
+def mlp_2d(x2d, gate_up_weight, down_weight, gate_multiplier: float, down_multiplier: float, save: str):
+    """The MLP on x [M, H], packed [2I, H] and down [H, I] weights (validated): [M, H]."""
+    if not fused_path_available(x2d, gate_up_weight):
+        return reference_swiglu_mlp_packed(
+            x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
+        )
+    return _fused_mlp(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
+
+
+def linear_2d(x2d, gate_up_weight, gate_multiplier: float, save: str):
+    """The GLU half on x [M, H] and a packed [2I, H] weight (validated): [M, I]."""
+    if not fused_path_available(x2d, gate_up_weight):
+        return reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
+    return _fused_linear(x2d, gate_up_weight, gate_multiplier, save)
