@@ -4,7 +4,9 @@ kernels in its CUDA graphs. The fake implementations give the output's shape and
 running anything.
 
 Training under ``torch.compile`` does not come here: its backward overwrites what the forward kept,
-which a functional custom op cannot express, so functional.py runs it eagerly behind a graph break.
+in place, and refuses a second walk through Python state on the autograd node. A compiled graph would
+need its own machinery for both (declared mutations that the compiler must not undo with copies, and a
+guard that survives tracing), so functional.py runs training eagerly behind a graph break.
 """
 
 from __future__ import annotations
