@@ -28,6 +28,7 @@ import fused_swiglu.autograd as autograd_mod
 import fused_swiglu.kernels.glu_forward as glu_forward_mod
 from fused_swiglu.bench.glu import GLUFloor
 from fused_swiglu.bench.impls import GemmFloor
+from fused_swiglu.bench.measure import peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
@@ -89,15 +90,6 @@ def variant(context, step):
             step()
 
     return run
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def problems(save: str):

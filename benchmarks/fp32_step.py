@@ -15,20 +15,12 @@ import torch
 from triton.testing import do_bench
 
 from fused_swiglu import swiglu_mlp
+from fused_swiglu.bench.measure import peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import make_problem
 
 ROUNDS = 3
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def step_fns(p) -> dict:

@@ -25,6 +25,16 @@ def _clear_grads(impl: Impl) -> None:
         p.grad = None
 
 
+def peak_mib(fn: Callable[[], object]) -> float:
+    """Extra peak memory of one call of ``fn``, in MiB over what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MIB
+
+
 def _memory(impl: Impl, dy: torch.Tensor) -> tuple[float, float]:
     """(kept, peak) MiB over what was allocated before: kept between forward and backward (output
     excluded), and the peak of the whole step (weight gradients included)."""
