@@ -6,7 +6,10 @@ experiments, each over the five benchmark shapes and the GLU operator at (11136,
 - ``recompute-pieces``: the ``save="recompute"`` step with the factors recomputed whole and in
   ``RECOMPUTE_PIECES`` column pieces (time and extra peak memory);
 - ``forward-epilogue``: the ``save="factors"`` step with the training forward tile as configured,
-  and with its epilogue stored in quarters (three and four pipeline stages).
+  and with its epilogue stored in quarters (three and four pipeline stages);
+- ``weight-grad-stream-factors`` / ``-preact``: the step with the weight-gradient GEMMs on one
+  stream and beside the data path on a second (``stream_variants.py``), and the floor's GEMMs
+  placed the same ways.
 
 Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
 the order rotating between repetitions), so the ratios compare runs taken side by side.
@@ -22,6 +25,7 @@ import statistics
 import sys
 
 import torch
+from stream_variants import floor_step_beside, weight_grads_beside
 from triton.testing import do_bench
 
 import fused_swiglu.autograd as autograd_mod
@@ -81,6 +85,22 @@ EXPERIMENTS = {
             "e4 s4": lambda: training_forward_tile(epilogue_split=4, num_stages=4),
         },
     ),
+    **{
+        f"weight-grad-stream-{save}": (
+            save,
+            {
+                "one stream": contextlib.nullcontext,
+                "side": lambda: weight_grads_beside("side"),
+                "priority": lambda: weight_grads_beside("priority"),
+            },
+        )
+        for save in ("factors", "preact")
+    },
+}
+
+#: Experiments that also time the floor's GEMMs placed on two streams as their variants place them.
+FLOOR_PLACEMENTS = {
+    name: ("side", "priority") for name in EXPERIMENTS if name.startswith("weight-grad-stream")
 }
 
 
@@ -93,7 +113,7 @@ def variant(context, step):
 
 
 def problems(save: str):
-    """(label, floor step, library step, leaves): the MLP shapes, then the GLU operator."""
+    """(label, floor, library step, leaves): the MLP shapes, then the GLU operator."""
     for name, (m, h, i) in SHAPES.items():
         torch.manual_seed(0)
         module = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
@@ -101,25 +121,36 @@ def problems(save: str):
         dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         floor = GemmFloor(x, module.gate_up_proj, module.down_proj.weight, dy)
         step = lambda module=module, x=x, dy=dy: module(x).backward(dy)  # noqa: E731
-        yield f"mlp {name}", floor.step, step, [x, *module.parameters()]
+        yield f"mlp {name}", floor, step, [x, *module.parameters()]
     m, h, i = GLU_SHAPE
     torch.manual_seed(0)
     glu = SwiGLULinear(h, i, save=save, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     da = torch.randn(m, i, device="cuda", dtype=torch.bfloat16)
     floor = GLUFloor(x, glu.gate_up_proj.detach())
-    yield "glu M11136-H3584-I14336", floor.step, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
+    yield "glu M11136-H3584-I14336", floor, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
 
 
 def run_experiment(name: str, reps: int) -> list[dict]:
     save, variants = EXPERIMENTS[name]
     rows = []
-    for label, floor_step, step, leaves in problems(save):
-        fns = {"floor": floor_step} | {v: variant(ctx, step) for v, ctx in variants.items()}
-        peaks = {}
-        for v in [v for v in fns if v != "floor"]:
+    for label, floor, step, leaves in problems(save):
+        fns = {"floor": floor.step}
+        fns |= {f"floor {p}": floor_step_beside(floor, p) for p in FLOOR_PLACEMENTS.get(name, ())}
+        fns |= {v: variant(ctx, step) for v, ctx in variants.items()}
+        peaks, grad_diffs, first_grads = {}, {}, None
+        for v in [v for v in fns if not v.startswith("floor")]:
             try:
+                for leaf in leaves:
+                    leaf.grad = None
                 peaks[v] = peak_mib(fns[v])
+                # Every variant computes the same gradients; how far each lands from the first one's.
+                grads = [leaf.grad.float() for leaf in leaves]
+                if first_grads is None:
+                    first_grads = grads
+                grad_diffs[v] = max(
+                    ((g - f).norm() / f.norm()).item() for g, f in zip(grads, first_grads, strict=True)
+                )
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is a result, not a crash
                 print(f"  {v}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
                 rows.append({"experiment": name, "problem": label, "variant": v, "error": str(e)[:500]})
@@ -133,13 +164,13 @@ def run_experiment(name: str, reps: int) -> list[dict]:
         print(f"\n== {name} / {label} (save={save}): floor {floor_ms:.3f} ms", flush=True)
         for v, values in times.items():
             ms = statistics.median(values)
-            peak = peaks.get(v)
+            peak, diff = peaks.get(v), grad_diffs.get(v)
             rows.append(
                 {"experiment": name, "problem": label, "variant": v, "ms": ms, "vs_floor": ms / floor_ms}
-                | {"peak_mib": peak, "spread_ms": [min(values), max(values)]}
+                | {"peak_mib": peak, "grad_rel_diff": diff, "spread_ms": [min(values), max(values)]}
             )
-            peak_text = "" if peak is None else f"  peak +{peak:.0f} MiB"
-            print(f"  {v:<10} {ms:8.3f} ms  {ms / floor_ms:.3f}x floor{peak_text}", flush=True)
+            peak_text = "" if peak is None else f"  peak +{peak:.0f} MiB  grads vs first {diff:.1e}"
+            print(f"  {v:<14} {ms:8.3f} ms  {ms / floor_ms:.3f}x floor{peak_text}", flush=True)
     return rows
 
 
