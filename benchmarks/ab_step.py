@@ -35,6 +35,7 @@ from fused_swiglu.bench.impls import GemmFloor
 from fused_swiglu.bench.measure import peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.functional import LINEAR_SAVE_MODES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.nn import SwiGLULinear, SwiGLUMLP
 
@@ -113,7 +114,7 @@ def variant(context, step):
 
 
 def problems(save: str):
-    """(label, floor, library step, leaves): the MLP shapes, then the GLU operator."""
+    """(label, floor, library step, leaves): the MLP shapes, then the GLU operator if it has ``save``."""
     for name, (m, h, i) in SHAPES.items():
         torch.manual_seed(0)
         module = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
@@ -122,6 +123,8 @@ def problems(save: str):
         floor = GemmFloor(x, module.gate_up_proj, module.down_proj.weight, dy)
         step = lambda module=module, x=x, dy=dy: module(x).backward(dy)  # noqa: E731
         yield f"mlp {name}", floor, step, [x, *module.parameters()]
+    if save not in LINEAR_SAVE_MODES:
+        return  # the GLU operator has no such mode
     m, h, i = GLU_SHAPE
     torch.manual_seed(0)
     glu = SwiGLULinear(h, i, save=save, device="cuda", dtype=torch.bfloat16)
