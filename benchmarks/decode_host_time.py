@@ -3,7 +3,10 @@
 Run on the GPU: ``python benchmarks/decode_host_time.py [--commit SHA]``. For each layer of the inference path
 (the public call, the path under it, its cuBLAS + activation pieces), 300 calls are issued without
 waiting ("host issue" per call) and then waited for ("wall" per call): where host issue is close
-to wall, the host, not the GPU, sets the pace. Ends with a profile of the public call at 16 rows.
+to wall, the host, not the GPU, sets the pace. "graph" is the same call replayed from a CUDA graph
+(the GPU's own time, plus a replay's small host cost). Eager PyTorch and Liger's module (if
+installed) are timed the same way for reference. Ends with profiles of the public call at 16 and
+256 rows.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import torch
 
 from fused_swiglu import swiglu_mlp
 from fused_swiglu.autograd import swiglu_mlp_no_grad
+from fused_swiglu.bench.impls import EagerSwiGLUMLP, peer_module
+from fused_swiglu.bench.measure import cuda_graph_replay
 from fused_swiglu.bench.report import provenance
+from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_activation import glu_activation
+from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.testing import make_problem
 
 HIDDEN, INTER = 4096, 14336  # llama3-8b
@@ -51,19 +58,32 @@ def layers(m: int) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
             glu_activation(torch.mm(x, w_gate_up.t()), gate_scale=1.0, out_scale=1.0), w_down.t()
         ),
         "act_only": lambda: glu_activation(h, gate_scale=1.0, out_scale=1.0),
+        "fused_kernel": lambda: glu_forward(x, w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.NOTHING),
         "mm+mm": lambda: torch.mm(torch.mm(x, w_gate_up.t())[:, :INTER], w_down.t()),
     }
+    eager = EagerSwiGLUMLP(HIDDEN, INTER, device="cuda", dtype=torch.bfloat16)
+    fns["eager"] = lambda: eager(x)
+    liger = peer_module("liger", eager)
+    if isinstance(liger, str):
+        print(f"# no Liger row: {liger}", flush=True)
+    else:
+        fns["liger"] = lambda: liger(x)
     return fns, x, w_gate_up, w_down
 
 
 @torch.no_grad()
 def main() -> None:
-    for m in (1, 16, 64):
+    for m in (1, 16, 64, 256):
         fns, x, w_gate_up, w_down = layers(m)
         for name, fn in fns.items():
             host, wall = per_call_us(fn)
-            print(f"M={m} {name:14s} host issue {host:7.1f} us/call, wall {wall:7.1f} us/call", flush=True)
-        if m == 16:
+            _, graph = per_call_us(cuda_graph_replay(fn))
+            print(
+                f"M={m} {name:14s} host issue {host:7.1f} us/call, wall {wall:7.1f} us/call, "
+                f"graph {graph:7.1f} us/call",
+                flush=True,
+            )
+        if m in (16, 256):
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(CALLS):

@@ -92,7 +92,7 @@ def _module_impl(name: str, module: nn.Module, x: torch.Tensor, dy: torch.Tensor
     return Impl(name, forward, step, list(module.parameters()) + [x])
 
 
-def _peer(name: str, reference: EagerSwiGLUMLP) -> nn.Module | str:
+def peer_module(name: str, reference: EagerSwiGLUMLP) -> nn.Module | str:
     """Build a peer module loaded with ``reference``'s weights, or return why it is missing."""
     weight = reference.gate_proj.weight
     inter, hidden = weight.shape
@@ -128,5 +128,5 @@ def build_impl(name: str, reference: EagerSwiGLUMLP, x: torch.Tensor, dy: torch.
         return Impl(name, floor.forward, floor.step, measures_memory=False)
     if name.startswith("fused-"):
         return _module_impl(name, SwiGLUMLP.from_mlp(reference, save=name.removeprefix("fused-")), x, dy)
-    module = _peer(name, reference)
+    module = peer_module(name, reference)
     return module if isinstance(module, str) else _module_impl(name, module, x, dy)
