@@ -9,7 +9,9 @@ experiments, each over the five benchmark shapes and the GLU operator at (11136,
   and with its epilogue stored in quarters (three and four pipeline stages);
 - ``weight-grad-stream-factors`` / ``-preact``: the step with the weight-gradient GEMMs on one
   stream and beside the data path on a second (``stream_variants.py``), and the floor's GEMMs
-  placed the same ways.
+  placed the same ways;
+- ``warp-specialized-backward-factors`` / ``-recompute``: the MLP step with the backward kernel for
+  saved factors as the library picks it (the Gluon kernel) and on the Triton kernel.
 
 Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
 the order rotating between repetitions), so the ratios compare runs taken side by side.
@@ -70,6 +72,19 @@ def training_forward_tile(**changes):
         glu_forward_mod.forward_config = configured
 
 
+@contextlib.contextmanager
+def backward_kernel(warp_specialized: bool):
+    """The MLP backward with saved factors on the Gluon kernel where the library picks it, or on the
+    Triton kernel everywhere."""
+    chosen = autograd_mod.backward_is_warp_specialized
+    if not warp_specialized:
+        autograd_mod.backward_is_warp_specialized = lambda *args: False
+    try:
+        yield
+    finally:
+        autograd_mod.backward_is_warp_specialized = chosen
+
+
 EXPERIMENTS = {
     "recompute-pieces": (
         "recompute",
@@ -97,7 +112,20 @@ EXPERIMENTS = {
         )
         for save in ("factors", "preact")
     },
+    **{
+        f"warp-specialized-backward-{save}": (
+            save,
+            {
+                "triton": lambda: backward_kernel(warp_specialized=False),
+                "warp-specialized": lambda: backward_kernel(warp_specialized=True),
+            },
+        )
+        for save in ("factors", "recompute")
+    },
 }
+
+#: Experiments about a kernel the GLU operator does not run.
+MLP_ONLY = {name for name in EXPERIMENTS if name.startswith("warp-specialized-backward")}
 
 #: Experiments that also time the floor's GEMMs placed on two streams as their variants place them.
 FLOOR_PLACEMENTS = {
@@ -113,7 +141,7 @@ def variant(context, step):
     return run
 
 
-def problems(save: str):
+def problems(save: str, glu: bool = True):
     """(label, floor, library step, leaves): the MLP shapes, then the GLU operator if it has ``save``."""
     for name, (m, h, i) in SHAPES.items():
         torch.manual_seed(0)
@@ -123,8 +151,8 @@ def problems(save: str):
         floor = GemmFloor(x, module.gate_up_proj, module.down_proj.weight, dy)
         step = lambda module=module, x=x, dy=dy: module(x).backward(dy)  # noqa: E731
         yield f"mlp {name}", floor, step, [x, *module.parameters()]
-    if save not in LINEAR_SAVE_MODES:
-        return  # the GLU operator has no such mode
+    if not glu or save not in LINEAR_SAVE_MODES:
+        return  # the GLU operator has no such mode, or the experiment is not about it
     m, h, i = GLU_SHAPE
     torch.manual_seed(0)
     glu = SwiGLULinear(h, i, save=save, device="cuda", dtype=torch.bfloat16)
@@ -137,7 +165,7 @@ def problems(save: str):
 def run_experiment(name: str, reps: int) -> list[dict]:
     save, variants = EXPERIMENTS[name]
     rows = []
-    for label, floor, step, leaves in problems(save):
+    for label, floor, step, leaves in problems(save, glu=name not in MLP_ONLY):
         fns = {"floor": floor.step}
         fns |= {f"floor {p}": floor_step_beside(floor, p) for p in FLOOR_PLACEMENTS.get(name, ())}
         fns |= {v: variant(ctx, step) for v, ctx in variants.items()}

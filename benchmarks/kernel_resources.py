@@ -32,6 +32,7 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.kernels import glu_backward_ws
 from fused_swiglu.kernels.common import CHUNK, Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_config, forward_config
 from fused_swiglu.kernels.glu_backward import _glu_backward_kernel
@@ -112,6 +113,31 @@ def backward_kernel(
     return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg, target)
 
 
+def warp_specialized_backward_kernel(dtype: torch.dtype, target: GPUTarget = SM90):
+    """The Gluon backward with saved factors (its one config), compiled like the launcher compiles it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    c = glu_backward_ws.CONFIG
+    t = torch.empty(256, 512, dtype=dtype)
+    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
+    blocks["s_desc"] = [c.block_m, 2 * c.block_n // c.pieces]
+    descriptors = {
+        name: native_specialize_impl(
+            BaseBackend, glu_backward_ws._gluon_descriptor(t, block), False, True, True
+        )[0]
+        for name, block in blocks.items()
+    }
+    constants = {"BM": c.block_m, "BN": c.block_n, "BK": c.block_k, "GROUP_M": c.group_m, "STAGES": c.stages}
+    constants |= {"PIECES": c.pieces, "NSAVED": c.saved_buffers, "LAG": c.store_lag, "CHUNK_": CHUNK}
+    constants |= {"LOADER_REGS": c.loader_regs, "num_warps": 8}
+    fn = glu_backward_ws._glu_backward_ws_kernel
+    signature = {**descriptors, "M": "i32", "N": "i32", "K": "i32", "out_scale": "fp32"}
+    signature |= dict.fromkeys(constants, "constexpr")
+    signature = {name: signature[name] for name in fn.arg_names}
+    options = {"num_warps": 8, "maxnreg": c.max_registers}
+    return triton.compile(GluonASTSource(fn, signature, constants), target=target, options=options)
+
+
 def resources(kernel) -> dict:
     """Registers per thread and spilled bytes from the cubin, shared memory from the compiler."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -129,7 +155,11 @@ def resources(kernel) -> dict:
     }
 
 
-def _report(label: str, cfg: TileConfig, r: dict, precision: str, limit: int) -> bool:
+def _tile(cfg: TileConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} e{cfg.epilogue_split}"
+
+
+def _report(label: str, tile: str, r: dict, precision: str, limit: int) -> bool:
     """Print one kernel; False if it cannot launch (shared memory) or a tensor-core variant spills.
 
     The fp32 "ieee" variant (TF32 off) runs its dot on the FMA units, and every tile measured here
@@ -138,7 +168,6 @@ def _report(label: str, cfg: TileConfig, r: dict, precision: str, limit: int) ->
     fits = r["shared_bytes"] <= limit
     spills = r["spilled_bytes"] > 0
     ok = fits and (not spills or precision == "ieee")
-    tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} e{cfg.epilogue_split}"
     note = "" if ok else "  <-- FAILS"
     if ok and spills:
         note = "  (spills: FMA dot)"
@@ -183,8 +212,16 @@ def main(argv: list[str] | None = None) -> int:
                 (args.show_ir / f"{family}-{save.name}-{len(seen)}.ttgir").write_text(kernel.asm["ttgir"])
         dtype_name = str(dtype).removeprefix("torch.") + (f"/{precision}" if dtype == torch.float32 else "")
         label = f"{name} M={rows} {dtype_name} {family} {save.name}"
-        if not _report(label, cfg, seen[key], precision, SHARED_LIMIT[args.arch]):
+        if not _report(label, _tile(cfg), seen[key], precision, SHARED_LIMIT[args.arch]):
             failed.append(label)
+    if args.arch == 90 and glu_backward_ws.AVAILABLE:  # wgmma: Hopper only
+        c = glu_backward_ws.CONFIG
+        tile = f"{c.block_m}x{c.block_n}x{c.block_k} s{c.stages} e{c.pieces}"
+        for dtype in (torch.bfloat16, torch.float16):
+            label = f"M>64 {str(dtype).removeprefix('torch.')} backward FACTORS (warp-specialized)"
+            r = resources(warp_specialized_backward_kernel(dtype, target))
+            if not _report(label, tile, r, "tf32", SHARED_LIMIT[args.arch]):
+                failed.append(label)
     if failed and args.check:
         print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT[args.arch]} bytes of shared memory or spill")
         return 1

@@ -8,10 +8,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fused_swiglu.kernels import glu_backward_ws
 from fused_swiglu.kernels.common import Saved
-from fused_swiglu.kernels.configs import TileConfig
+from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
+from fused_swiglu.kernels.glu_backward_ws import glu_backward_factors_ws_
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.kernels.glu_split import glu_backward_split_, glu_forward_split
 from fused_swiglu.layout import CHUNK, split_packed_columns
@@ -93,6 +95,39 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
     else:
         eager_a = (dm * silu64 * u64).to(dtype)
         assert_like_eager(recomputed, eager_a, a64, dtype, "recomputed a")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("multipliers", MULTIPLIERS)
+def test_warp_specialized_backward_kernel(shape, dtype, device, multipliers):
+    """The Gluon kernel for saved factors, against the float64 gradient of the same saved tensor."""
+    if dtype == torch.float32:
+        pytest.skip("the warp-specialized kernel takes bf16/fp16 (fp32 runs its GEMMs on cuBLAS)")
+    gm, dm = multipliers
+    p = make_problem(*shape, dtype=dtype, device=device)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=Saved.FACTORS)
+    silu64, fgate64 = (t.double() for t in split_packed_columns(saved))
+    da64 = dm * p.dy.double() @ p.w_down.double()
+    da = dm * p.dy @ p.w_down
+    eager_first, eager_second = silu64.to(dtype), fgate64.to(dtype)
+
+    glu_backward_factors_ws_(p.dy, p.w_down, saved, out_scale=dm)
+
+    d_up, d_gate = split_packed_columns(saved)
+    assert_like_eager(d_up, da * eager_first, da64 * silu64, dtype, "dU")
+    assert_like_eager(d_gate, da * eager_second, da64 * fgate64, dtype, "dG")
+
+
+def test_warp_specialized_backward_is_chosen_where_it_runs():
+    """Bulk-sized 16-bit factors on the GPU; never fp32, saved pre-activations, decode sizes or the
+    interpreter (Gluon kernels need a GPU)."""
+    factors, bf16 = Saved.FACTORS, torch.bfloat16
+    assert backward_is_warp_specialized(4096, bf16, True, factors) == glu_backward_ws.AVAILABLE
+    assert backward_is_warp_specialized(65, torch.float16, True, factors) == glu_backward_ws.AVAILABLE
+    assert not backward_is_warp_specialized(64, bf16, True, factors)
+    assert not backward_is_warp_specialized(4096, torch.float32, True, factors)
+    assert not backward_is_warp_specialized(4096, bf16, True, Saved.PREACT)
+    assert not backward_is_warp_specialized(4096, bf16, False, factors)
 
 
 @pytest.mark.gpu

@@ -56,7 +56,7 @@ def persistent_programs(num_tiles: int, device: torch.device, per_sm: int = 1) -
 _thread_state = threading.local()
 
 
-def _bind_cuda_context(device: torch.device) -> None:
+def bind_cuda_context(device: torch.device) -> None:
     """Make the device's primary CUDA context current in this thread, once per thread and device.
 
     Triton encodes a host ``TensorDescriptor`` through the CUDA driver before the launch itself makes
@@ -78,7 +78,7 @@ def _bind_cuda_context(device: torch.device) -> None:
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A host-side TMA descriptor of ``t`` with tiles of ``block``."""
     if t.is_cuda:
-        _bind_cuda_context(t.device)
+        bind_cuda_context(t.device)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import CHUNK
+from . import glu_backward_ws
 from .common import Saved
 
 
@@ -86,6 +87,24 @@ def gemms_on_cublas(dtype: torch.dtype, on_gpu: bool) -> bool:
     kernels run in every dtype, so that they are tested on CPU.
     """
     return on_gpu and dtype == torch.float32
+
+
+def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind: Saved) -> bool:
+    """Whether the backward with saved factors runs the warp-specialized Gluon kernel
+    (kernels/glu_backward_ws.py) instead of the Triton one.
+
+    On the H200 it ran faster than the Triton kernel at every benchmark shape in bf16 (NOTES.md item
+    30). It takes 16-bit inputs and [128, 256] tiles; decode-sized batches (64 rows or fewer) keep the
+    Triton kernel's small tile, measured for them, and saved pre-activations its recompute epilogue.
+    Gluon kernels need a GPU: under the interpreter the Triton kernel runs.
+    """
+    return (
+        on_gpu
+        and glu_backward_ws.AVAILABLE
+        and kind == Saved.FACTORS
+        and dtype in (torch.bfloat16, torch.float16)
+        and m > 64
+    )
 
 
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
