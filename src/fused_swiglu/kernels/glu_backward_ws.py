@@ -13,8 +13,10 @@ who waits for what. Each persistent program runs three partitions:
   from there by TMA.
 
 In the Triton kernel the warps that multiply also issue every load and wait for each saved piece at
-the start of the epilogue; here no consumer waits for a load it issued itself, which measured 4-13%
-faster on the H200 (docs/benchmarks/NOTES.md, item 30). Saved pre-activations keep the Triton kernel.
+the start of the epilogue; here the consumers issue no loads, and the next tile's operands and saved
+pieces are in flight while they run the epilogue. On the H200 that measured 1-13% faster than the
+Triton kernel at four shapes (docs/benchmarks/NOTES.md, item 30). Saved pre-activations keep the
+Triton kernel.
 
 Gluon kernels do not run under the Triton interpreter; there, and on Triton builds without Gluon's
 warp specialization, the Triton kernel runs (``kernels/configs.py``).
@@ -67,8 +69,9 @@ class WSConfig:
     max_registers: int = 168
 
 
-#: Chosen on the H200 from 7 variants at four shapes (raw/ws-backward-*.log): the fastest or within
-#: 1-2% of it at each, and faster than the Triton kernel at all four.
+#: Chosen on the H200 from seven drafts at four shapes (raw/ws-backward-draft-2.log): the fastest or
+#: within about 2% of the fastest at each, and faster than the Triton kernel at all four; the library
+#: kernel's sweep agreed (raw/sweep-ws-backward-d03770a.log, benchmarks/sweep_ws_backward.py).
 CONFIG = WSConfig()
 
 if AVAILABLE:
