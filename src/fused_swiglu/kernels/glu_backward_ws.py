@@ -18,18 +18,23 @@ pieces are in flight while they run the epilogue. On the H200 that measured 1-13
 Triton kernel at four shapes (docs/benchmarks/NOTES.md, item 30). Saved pre-activations keep the
 Triton kernel.
 
-Gluon kernels do not run under the Triton interpreter; there, and on Triton builds without Gluon's
-warp specialization, the Triton kernel runs (``kernels/configs.py``).
+Gluon kernels do not run under the Triton interpreter; there, and with any Triton release other than
+the one this kernel was built and tested with, the Triton kernel runs (``kernels/configs.py``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from .common import CHUNK, bind_cuda_context, persistent_programs
+
+#: Gluon is experimental and its API changes between releases (``warp_specialize`` took other
+#: arguments before 3.6), so this kernel runs only on the Triton minor release it was tested with.
+TESTED_TRITON = (3, 6)
 
 try:
     from triton.experimental import gluon
@@ -43,7 +48,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    AVAILABLE = hasattr(gl, "warp_specialize")
+    _release = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    AVAILABLE = _release is not None and tuple(map(int, _release.groups())) == TESTED_TRITON
 except ImportError:  # a Triton without Gluon: the Triton kernel runs instead
     AVAILABLE = False
 
