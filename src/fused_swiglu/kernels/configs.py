@@ -93,9 +93,11 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind:
     """Whether the backward with saved factors runs the warp-specialized Gluon kernel
     (kernels/glu_backward_ws.py) instead of the Triton one.
 
-    On the H200 it ran faster than the Triton kernel at every benchmark shape in bf16 (NOTES.md item
-    30). It takes 16-bit inputs and [128, 256] tiles; decode-sized batches (64 rows or fewer) keep the
-    Triton kernel's small tile, measured for them, and saved pre-activations its recompute epilogue.
+    On the H200 in bf16 (NOTES.md item 30) the training step with it was level with the Triton
+    kernel's at llama3-8b and 0.4-4.7% faster at the four other benchmark shapes; the kernel alone
+    was 1-13% faster at four shapes. It takes 16-bit inputs and [128, 256] tiles; decode-sized
+    batches (64 rows or fewer) keep the Triton kernel's small tile, measured for them, and saved
+    pre-activations its recompute epilogue.
     Gluon kernels need a GPU: under the interpreter the Triton kernel runs.
     """
     return (
