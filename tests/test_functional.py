@@ -14,7 +14,7 @@ import fused_swiglu.dispatch as dispatch_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
 from fused_swiglu.autograd import KEPT
 from fused_swiglu.kernels.common import Saved
-from fused_swiglu.kernels.configs import inference_uses_cublas
+from fused_swiglu.kernels.configs import backward_is_warp_specialized, gemms_on_cublas, inference_uses_cublas
 from fused_swiglu.layout import CHUNK
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
@@ -55,6 +55,40 @@ def forward_saves(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def backward_launches(monkeypatch):
+    """Records which backward kernel each backward launch took: the warp-specialized one, the Triton
+    one, or (fp32 on a GPU) cuBLAS with its in-place pass."""
+    calls = []
+    for name, label in (
+        ("glu_backward_factors_ws_", "warp-specialized"),
+        ("glu_backward_", "triton"),
+        ("glu_backward_split_", "cublas"),
+    ):
+        real = getattr(autograd_mod, name)
+
+        def spy(*args, real=real, label=label, **kwargs):
+            calls.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(autograd_mod, name, spy)
+    return calls
+
+
+def expected_backward_launches(save: str, shape, dtype, device) -> list[str]:
+    """The kernel the library's selection rules pick, once per backward launch of the save mode."""
+    m, _, inter = shape
+    on_gpu = device.type == "cuda"
+    kind = Saved.PREACT if save == "preact" else Saved.FACTORS
+    if gemms_on_cublas(dtype, on_gpu):
+        label = "cublas"
+    elif backward_is_warp_specialized(m, dtype, on_gpu, kind):
+        label = "warp-specialized"
+    else:
+        label = "triton"
+    return [label] * (len(kernel_saves(save, inter)) - 1 if save == "recompute" else 1)
+
+
 def fused(problem, save):
     def fn(x, w_gate_up, w_down):
         return swiglu_mlp(
@@ -71,7 +105,9 @@ def fused(problem, save):
 
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("save", SAVES)
-def test_training_step_matches_reference(shape, dtype, device, save, multipliers, forward_saves):
+def test_training_step_matches_reference(
+    shape, dtype, device, save, multipliers, forward_saves, backward_launches
+):
     p = make_problem(
         *shape, dtype=dtype, device=device, gate_multiplier=multipliers[0], down_multiplier=multipliers[1]
     )
@@ -79,6 +115,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, multipliers
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
     assert forward_saves == kernel_saves(save, shape[2])
+    assert backward_launches == expected_backward_launches(save, shape, dtype, device)
 
 
 @pytest.mark.parametrize("save", SAVES)
