@@ -39,40 +39,41 @@ def kernel_saves(save: str, inter: int) -> list[Saved]:
     return [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
 
-@pytest.fixture
-def forward_saves(monkeypatch):
-    """Records the ``save`` argument of every forward GEMM launch, fused or (fp32 on a GPU) on cuBLAS
-    with its in-place pass; NOTHING means inference."""
+def record_launches(monkeypatch, record: dict) -> list:
+    """Wrap autograd's launchers named in ``record`` ({name: what to record from the call's keyword
+    arguments}) so that each call appends that to the returned list, then runs as before."""
     calls = []
-    for name in ("glu_forward", "glu_forward_split"):
+    for name, what in record.items():
         real = getattr(autograd_mod, name)
 
-        def spy(*args, real=real, **kwargs):
-            calls.append(kwargs["save"])
+        def spy(*args, real=real, what=what, **kwargs):
+            calls.append(what(kwargs))
             return real(*args, **kwargs)
 
         monkeypatch.setattr(autograd_mod, name, spy)
     return calls
+
+
+@pytest.fixture
+def forward_saves(monkeypatch):
+    """The ``save`` argument of every forward GEMM launch, fused or (fp32 on a GPU) on cuBLAS with
+    its in-place pass; NOTHING means inference."""
+    save = lambda kwargs: kwargs["save"]  # noqa: E731
+    return record_launches(monkeypatch, {"glu_forward": save, "glu_forward_split": save})
 
 
 @pytest.fixture
 def backward_launches(monkeypatch):
-    """Records which backward kernel each backward launch took: the warp-specialized one, the Triton
-    one, or (fp32 on a GPU) cuBLAS with its in-place pass."""
-    calls = []
-    for name, label in (
-        ("glu_backward_factors_ws_", "warp-specialized"),
-        ("glu_backward_", "triton"),
-        ("glu_backward_split_", "cublas"),
-    ):
-        real = getattr(autograd_mod, name)
-
-        def spy(*args, real=real, label=label, **kwargs):
-            calls.append(label)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(autograd_mod, name, spy)
-    return calls
+    """Which backward kernel each backward launch took: the warp-specialized one, the Triton one, or
+    (fp32 on a GPU) cuBLAS with its in-place pass."""
+    return record_launches(
+        monkeypatch,
+        {
+            "glu_backward_factors_ws_": lambda kwargs: "warp-specialized",
+            "glu_backward_": lambda kwargs: "triton",
+            "glu_backward_split_": lambda kwargs: "cublas",
+        },
+    )
 
 
 def expected_backward_launches(save: str, shape, dtype, device) -> list[str]:

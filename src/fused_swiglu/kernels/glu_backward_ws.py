@@ -24,6 +24,7 @@ the one this kernel was built and tested with, the Triton kernel runs (``kernels
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -374,13 +375,18 @@ if AVAILABLE:
         )
 
 
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared layout of a TMA tile: three per launch, the same ones every launch."""
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
+
+
 def _gluon_descriptor(t: torch.Tensor, block: list[int]):
     """A host TMA descriptor with the swizzled shared layout the kernel's buffers use."""
     if t.is_cuda:
         bind_cuda_context(t.device)
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, element)
-    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
 def glu_backward_factors_ws_(
