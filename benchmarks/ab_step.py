@@ -5,13 +5,14 @@ experiments, each over the five benchmark shapes and the GLU operator at (11136,
 
 - ``recompute-pieces``: the ``save="recompute"`` step with the factors recomputed whole and in
   ``RECOMPUTE_PIECES`` column pieces (time and extra peak memory);
-- ``forward-epilogue``: the ``save="factors"`` step with the training forward tile as configured,
+- ``forward-epilogue``: the ``save="factors"`` step with the Triton training forward tile as configured,
   and with its epilogue stored in quarters (three and four pipeline stages);
 - ``weight-grad-stream-factors`` / ``-preact``: the step with the weight-gradient GEMMs on one
   stream and beside the data path on a second (``stream_variants.py``), and the floor's GEMMs
   placed the same ways;
-- ``warp-specialized-backward-factors`` / ``-recompute``: the MLP step with the backward kernel for
-  saved factors as the library picks it (the Gluon kernel) and on the Triton kernel.
+- ``warp-specialized-factors`` / ``-preact`` / ``-recompute``: the MLP step with the Triton kernels,
+  with the warp-specialized (Gluon) backward only, and with the Gluon forward and backward, each
+  where the library picks it.
 
 Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
 the order rotating between repetitions), so the ratios compare runs taken side by side.
@@ -56,8 +57,10 @@ def recompute_pieces(pieces: int):
 
 @contextlib.contextmanager
 def training_forward_tile(**changes):
-    """Replace fields of the training forward tile (saves something, large M); inference keeps its own."""
+    """Replace fields of the Triton training forward tile (saves something, large M), the Triton
+    forward running where the library picks the warp-specialized one; inference keeps its own."""
     configured = glu_forward_mod.forward_config
+    chosen = autograd_mod.forward_is_warp_specialized
 
     def patched(m, hidden, inter, dtype, on_gpu, save=Saved.NOTHING, precision="tf32"):
         cfg = configured(m, hidden, inter, dtype, on_gpu, save, precision)
@@ -66,23 +69,27 @@ def training_forward_tile(**changes):
         return dataclasses.replace(cfg, **changes)
 
     glu_forward_mod.forward_config = patched
+    autograd_mod.forward_is_warp_specialized = lambda *args: False
     try:
         yield
     finally:
         glu_forward_mod.forward_config = configured
+        autograd_mod.forward_is_warp_specialized = chosen
 
 
 @contextlib.contextmanager
-def backward_kernel(warp_specialized: bool):
-    """The MLP backward with saved factors on the Gluon kernel where the library picks it, or on the
-    Triton kernel everywhere."""
-    chosen = autograd_mod.backward_is_warp_specialized
-    if not warp_specialized:
+def gluon_kernels(forward: bool, backward: bool):
+    """The MLP step with the warp-specialized forward and backward kernels where the library picks
+    them, or with the Triton kernel in their place (each switch on its own)."""
+    chosen = autograd_mod.forward_is_warp_specialized, autograd_mod.backward_is_warp_specialized
+    if not forward:
+        autograd_mod.forward_is_warp_specialized = lambda *args: False
+    if not backward:
         autograd_mod.backward_is_warp_specialized = lambda *args: False
     try:
         yield
     finally:
-        autograd_mod.backward_is_warp_specialized = chosen
+        autograd_mod.forward_is_warp_specialized, autograd_mod.backward_is_warp_specialized = chosen
 
 
 EXPERIMENTS = {
@@ -96,7 +103,7 @@ EXPERIMENTS = {
     "forward-epilogue": (
         "factors",
         {
-            "configured": contextlib.nullcontext,
+            "configured": training_forward_tile,
             "e4 s3": lambda: training_forward_tile(epilogue_split=4),
             "e4 s4": lambda: training_forward_tile(epilogue_split=4, num_stages=4),
         },
@@ -113,19 +120,20 @@ EXPERIMENTS = {
         for save in ("factors", "preact")
     },
     **{
-        f"warp-specialized-backward-{save}": (
+        f"warp-specialized-{save}": (
             save,
             {
-                "triton": lambda: backward_kernel(warp_specialized=False),
-                "warp-specialized": lambda: backward_kernel(warp_specialized=True),
+                "triton": lambda: gluon_kernels(forward=False, backward=False),
+                "gluon backward": lambda: gluon_kernels(forward=False, backward=True),
+                "gluon both": lambda: gluon_kernels(forward=True, backward=True),
             },
         )
-        for save in ("factors", "recompute")
+        for save in ("factors", "preact", "recompute")
     },
 }
 
 #: Experiments about a kernel the GLU operator does not run.
-MLP_ONLY = {name for name in EXPERIMENTS if name.startswith("warp-specialized-backward")}
+MLP_ONLY = {name for name in EXPERIMENTS if name.startswith("warp-specialized")}
 
 #: Experiments that also time the floor's GEMMs placed on two streams as their variants place them.
 FLOOR_PLACEMENTS = {

@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_swiglu.bench.run import SHAPES
-from fused_swiglu.kernels import glu_backward_ws
+from fused_swiglu.kernels import glu_backward_ws, glu_forward_ws, hopper_ws
 from fused_swiglu.kernels.common import CHUNK, Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_config, forward_config
 from fused_swiglu.kernels.glu_backward import _glu_backward_kernel
@@ -113,29 +113,50 @@ def backward_kernel(
     return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg, target)
 
 
-def warp_specialized_backward_kernel(dtype: torch.dtype, target: GPUTarget = SM90):
-    """The Gluon backward with saved factors (its one config), compiled like the launcher compiles it."""
+def _gluon_descriptor_type(block: list[int], dtype: torch.dtype) -> str:
+    """Triton's signature string of a Gluon host descriptor, with the shared layout the launchers use."""
+    t = torch.empty(256, 512, dtype=dtype)
+    return native_specialize_impl(BaseBackend, hopper_ws.gluon_descriptor(t, block), False, True, True)[0]
+
+
+def _compile_gluon(fn, blocks: dict, scalars: list[str], constants: dict, max_registers: int, dtype, target):
+    """Compile a warp-specialized kernel like its launcher does; a block of None is a None argument."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    c = glu_backward_ws.CONFIG
-    t = torch.empty(256, 512, dtype=dtype)
-    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
-    blocks["s_desc"] = [c.block_m, 2 * c.block_n // c.pieces]
-    descriptors = {
-        name: native_specialize_impl(
-            BaseBackend, glu_backward_ws._gluon_descriptor(t, block), False, True, True
-        )[0]
-        for name, block in blocks.items()
-    }
-    constants = {"BM": c.block_m, "BN": c.block_n, "BK": c.block_k, "GROUP_M": c.group_m, "STAGES": c.stages}
-    constants |= {"PIECES": c.pieces, "NSAVED": c.saved_buffers, "LAG": c.store_lag, "CHUNK_": CHUNK}
-    constants |= {"LOADER_REGS": c.loader_regs, "num_warps": 8}
-    fn = glu_backward_ws._glu_backward_ws_kernel
-    signature = {**descriptors, "M": "i32", "N": "i32", "K": "i32", "out_scale": "fp32"}
+    constants = {**constants, "CHUNK_": CHUNK, "num_warps": 8}
+    constants |= {name: None for name, block in blocks.items() if block is None}
+    signature = {name: _gluon_descriptor_type(block, dtype) for name, block in blocks.items() if block}
+    signature |= dict.fromkeys(scalars, "i32") | dict.fromkeys(("gate_scale", "out_scale"), "fp32")
     signature |= dict.fromkeys(constants, "constexpr")
     signature = {name: signature[name] for name in fn.arg_names}
-    options = {"num_warps": 8, "maxnreg": c.max_registers}
+    options = {"num_warps": 8, "maxnreg": max_registers}
     return triton.compile(GluonASTSource(fn, signature, constants), target=target, options=options)
+
+
+def warp_specialized_backward_kernel(dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90):
+    """The Gluon backward for one kind of saved tensor (its one config)."""
+    c = glu_backward_ws.CONFIGS[kind]
+    width = c.block_n // c.pieces
+    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
+    a_block = [c.block_m, width] if kind == Saved.PREACT else None
+    blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": a_block}
+    constants = {"GROUP_M": c.group_m, "STAGES": c.stages, "NSAVED": c.saved_buffers}
+    constants |= {"NA": max(c.a_buffers, 1), "LAG": c.store_lag, "LOADER_REGS": c.loader_regs}
+    fn = glu_backward_ws._glu_backward_ws_kernel
+    return c, _compile_gluon(fn, blocks, ["M", "N", "K"], constants, c.max_registers, dtype, target)
+
+
+def warp_specialized_forward_kernel(dtype: torch.dtype, save: Saved, target: GPUTarget = SM90):
+    """The Gluon forward for one save mode (its one config)."""
+    c = glu_forward_ws.CONFIG
+    width = c.block_n // c.pieces
+    blocks = {"x_desc": [c.block_m, c.block_k], "w_desc": [2 * c.block_n, c.block_k]}
+    s_block = None if save == Saved.NOTHING else [c.block_m, 2 * width]
+    blocks |= {"a_desc": [c.block_m, width], "s_desc": s_block}
+    constants = {"GROUP_M": c.group_m, "STAGES": c.stages, "NBUF": c.buffers, "LAG": c.store_lag}
+    constants |= {"SAVE": int(save), "WORKER_REGS": c.worker_regs}
+    fn = glu_forward_ws._glu_forward_ws_kernel
+    return c, _compile_gluon(fn, blocks, ["M", "N", "K"], constants, c.max_registers, dtype, target)
 
 
 def resources(kernel) -> dict:
@@ -214,13 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{name} M={rows} {dtype_name} {family} {save.name}"
         if not _report(label, _tile(cfg), seen[key], precision, SHARED_LIMIT[args.arch]):
             failed.append(label)
-    if args.arch == 90 and glu_backward_ws.AVAILABLE:  # wgmma: Hopper only
-        c = glu_backward_ws.CONFIG
-        tile = f"{c.block_m}x{c.block_n}x{c.block_k} s{c.stages} e{c.pieces}"
-        for dtype in (torch.bfloat16, torch.float16):
-            label = f"M>64 {str(dtype).removeprefix('torch.')} backward FACTORS (warp-specialized)"
-            r = resources(warp_specialized_backward_kernel(dtype, target))
-            if not _report(label, tile, r, "tf32", SHARED_LIMIT[args.arch]):
+    if args.arch == 90 and hopper_ws.AVAILABLE:  # wgmma: Hopper only
+        gluon_kernels = [(warp_specialized_forward_kernel, "forward", save) for save in Saved]
+        gluon_kernels += [(warp_specialized_backward_kernel, "backward", k) for k in glu_backward_ws.CONFIGS]
+        for (build, family, save), dtype in itertools.product(gluon_kernels, (torch.bfloat16, torch.float16)):
+            c, kernel = build(dtype, save, target)
+            tile = f"{c.block_m}x{c.block_n}x{c.block_k} s{c.stages} e{c.pieces}"
+            label = f"M>64 {str(dtype).removeprefix('torch.')} {family} {save.name} (warp-specialized)"
+            if not _report(label, tile, resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
                 failed.append(label)
     if failed and args.check:
         print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT[args.arch]} bytes of shared memory or spill")

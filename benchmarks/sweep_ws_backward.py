@@ -21,13 +21,13 @@ from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
-from fused_swiglu.kernels.glu_backward_ws import CONFIG, WSConfig, glu_backward_factors_ws_
+from fused_swiglu.kernels.glu_backward_ws import CONFIGS, WSConfig, glu_backward_ws_
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.layout import CHUNK
 from fused_swiglu.testing import make_problem, relative_error
 
 CONFIGS = {
-    "chosen": CONFIG,
+    "chosen": CONFIGS[Saved.FACTORS],
     "pieces 8, buffers 4": WSConfig(pieces=8, saved_buffers=4),
     "pieces 8, buffers 4, lag 2": WSConfig(pieces=8, saved_buffers=4, store_lag=2),
     "pieces 16, buffers 8, lag 3": WSConfig(store_lag=3),
@@ -49,7 +49,11 @@ def run_shape(name: str, reps: int) -> list[dict]:
         )
     }
     fns |= {
-        label: (lambda c=c: glu_backward_factors_ws_(p.dy, p.w_down, work, out_scale=1.0, config=c))
+        label: (
+            lambda c=c: glu_backward_ws_(
+                p.dy, p.w_down, work, kind=Saved.FACTORS, gate_scale=1.0, out_scale=1.0, config=c
+            )
+        )
         for label, c in CONFIGS.items()
     }
     errors = {}

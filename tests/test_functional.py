@@ -14,7 +14,12 @@ import fused_swiglu.dispatch as dispatch_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
 from fused_swiglu.autograd import KEPT
 from fused_swiglu.kernels.common import Saved
-from fused_swiglu.kernels.configs import backward_is_warp_specialized, gemms_on_cublas, inference_uses_cublas
+from fused_swiglu.kernels.configs import (
+    backward_is_warp_specialized,
+    forward_is_warp_specialized,
+    gemms_on_cublas,
+    inference_uses_cublas,
+)
 from fused_swiglu.layout import CHUNK
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
@@ -59,7 +64,22 @@ def forward_saves(monkeypatch):
     """The ``save`` argument of every forward GEMM launch, fused or (fp32 on a GPU) on cuBLAS with
     its in-place pass; NOTHING means inference."""
     save = lambda kwargs: kwargs["save"]  # noqa: E731
-    return record_launches(monkeypatch, {"glu_forward": save, "glu_forward_split": save})
+    return record_launches(
+        monkeypatch, {"glu_forward": save, "glu_forward_ws": save, "glu_forward_split": save}
+    )
+
+
+@pytest.fixture
+def forward_launches(monkeypatch):
+    """Which forward kernel each forward launch took (as ``backward_launches`` below)."""
+    return record_launches(
+        monkeypatch,
+        {
+            "glu_forward_ws": lambda kwargs: "warp-specialized",
+            "glu_forward": lambda kwargs: "triton",
+            "glu_forward_split": lambda kwargs: "cublas",
+        },
+    )
 
 
 @pytest.fixture
@@ -69,25 +89,29 @@ def backward_launches(monkeypatch):
     return record_launches(
         monkeypatch,
         {
-            "glu_backward_factors_ws_": lambda kwargs: "warp-specialized",
+            "glu_backward_ws_": lambda kwargs: "warp-specialized",
             "glu_backward_": lambda kwargs: "triton",
             "glu_backward_split_": lambda kwargs: "cublas",
         },
     )
 
 
-def expected_backward_launches(save: str, shape, dtype, device) -> list[str]:
-    """The kernel the library's selection rules pick, once per backward launch of the save mode."""
+def expected_launches(save: str, shape, dtype, device) -> tuple[list[str], list[str]]:
+    """The kernels the library's selection rules pick, per forward and per backward launch of the
+    save mode (the MLP's forwards all write ``a``)."""
     m, _, inter = shape
     on_gpu = device.type == "cuda"
     kind = Saved.PREACT if save == "preact" else Saved.FACTORS
-    if gemms_on_cublas(dtype, on_gpu):
-        label = "cublas"
-    elif backward_is_warp_specialized(m, dtype, on_gpu, kind):
-        label = "warp-specialized"
-    else:
-        label = "triton"
-    return [label] * (len(kernel_saves(save, inter)) - 1 if save == "recompute" else 1)
+    saves = kernel_saves(save, inter)
+
+    def label(warp_specialized: bool) -> str:
+        if gemms_on_cublas(dtype, on_gpu):
+            return "cublas"
+        return "warp-specialized" if warp_specialized else "triton"
+
+    forwards = [label(forward_is_warp_specialized(m, dtype, on_gpu, s, True)) for s in saves]
+    backward = label(backward_is_warp_specialized(m, dtype, on_gpu, kind))
+    return forwards, [backward] * (len(saves) - 1 if save == "recompute" else 1)
 
 
 def fused(problem, save):
@@ -107,7 +131,7 @@ def fused(problem, save):
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("save", SAVES)
 def test_training_step_matches_reference(
-    shape, dtype, device, save, multipliers, forward_saves, backward_launches
+    shape, dtype, device, save, multipliers, forward_saves, forward_launches, backward_launches
 ):
     p = make_problem(
         *shape, dtype=dtype, device=device, gate_multiplier=multipliers[0], down_multiplier=multipliers[1]
@@ -116,7 +140,7 @@ def test_training_step_matches_reference(
     failed = [f"{r.name}: {r.fused:.3e} > {r.bound:.3e} (eager {r.eager:.3e})" for r in rows if not r.ok]
     assert not failed, failed
     assert forward_saves == kernel_saves(save, shape[2])
-    assert backward_launches == expected_backward_launches(save, shape, dtype, device)
+    assert (forward_launches, backward_launches) == expected_launches(save, shape, dtype, device)
 
 
 @pytest.mark.parametrize("save", SAVES)

@@ -8,22 +8,33 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fused_swiglu.kernels import glu_backward_ws
+from fused_swiglu.kernels import hopper_ws
 from fused_swiglu.kernels.common import Saved
-from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized
+from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
-from fused_swiglu.kernels.glu_backward_ws import glu_backward_factors_ws_
+from fused_swiglu.kernels.glu_backward_ws import glu_backward_ws_
 from fused_swiglu.kernels.glu_forward import glu_forward
+from fused_swiglu.kernels.glu_forward_ws import glu_forward_ws
 from fused_swiglu.kernels.glu_split import glu_backward_split_, glu_forward_split
 from fused_swiglu.layout import CHUNK, split_packed_columns
 from fused_swiglu.testing import make_problem, relative_error, unit_roundoff
 
 MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id="mult0.7-1.3")]
-# Two implementations of one contract: the fused kernels, and cuBLAS GEMMs with in-place SwiGLU passes
-# (what fp32 runs on a GPU).
-FORWARDS = {"fused": glu_forward, "split": glu_forward_split}
-BACKWARDS = {"fused": glu_backward_, "split": glu_backward_split_}
+# Three implementations of one contract: the fused Triton kernels, the warp-specialized Gluon ones
+# (Hopper GPUs, 16-bit), and cuBLAS GEMMs with in-place SwiGLU passes (what fp32 runs on a GPU).
+FORWARDS = {"fused": glu_forward, "warp-specialized": glu_forward_ws, "split": glu_forward_split}
+BACKWARDS = {"fused": glu_backward_, "warp-specialized": glu_backward_ws_, "split": glu_backward_split_}
+
+
+def skip_unless_runs(impl, device, dtype):
+    """The Gluon kernels run on an sm_90 GPU, in bf16/fp16, with the Triton release they were tested with."""
+    if impl != "warp-specialized":
+        return
+    if device.type != "cuda" or not hopper_ws.AVAILABLE:
+        pytest.skip("the warp-specialized kernels need a Hopper GPU and Triton 3.6")
+    if dtype == torch.float32:
+        pytest.skip("the warp-specialized kernels take bf16/fp16 (fp32 runs its GEMMs on cuBLAS)")
 
 
 def swiglu_terms(x, w_gate, w_up, gm):
@@ -45,6 +56,7 @@ def assert_like_eager(fused, eager, exact, dtype, what):
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
 def test_forward_kernel(shape, dtype, device, save, multipliers, impl):
+    skip_unless_runs(impl, device, dtype)
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
     a, saved = FORWARDS[impl](p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=save)
@@ -68,6 +80,7 @@ def test_forward_kernel(shape, dtype, device, save, multipliers, impl):
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
 def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, kind, multipliers, impl):
+    skip_unless_runs(impl, device, dtype)
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
     _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=kind)
@@ -97,37 +110,24 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
         assert_like_eager(recomputed, eager_a, a64, dtype, "recomputed a")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("multipliers", MULTIPLIERS)
-def test_warp_specialized_backward_kernel(shape, dtype, device, multipliers):
-    """The Gluon kernel for saved factors, against the float64 gradient of the same saved tensor."""
-    if dtype == torch.float32:
-        pytest.skip("the warp-specialized kernel takes bf16/fp16 (fp32 runs its GEMMs on cuBLAS)")
-    gm, dm = multipliers
-    p = make_problem(*shape, dtype=dtype, device=device)
-    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=Saved.FACTORS)
-    silu64, fgate64 = (t.double() for t in split_packed_columns(saved))
-    da64 = dm * p.dy.double() @ p.w_down.double()
-    da = dm * p.dy @ p.w_down
-    eager_first, eager_second = silu64.to(dtype), fgate64.to(dtype)
-
-    glu_backward_factors_ws_(p.dy, p.w_down, saved, out_scale=dm)
-
-    d_up, d_gate = split_packed_columns(saved)
-    assert_like_eager(d_up, da * eager_first, da64 * silu64, dtype, "dU")
-    assert_like_eager(d_gate, da * eager_second, da64 * fgate64, dtype, "dG")
-
-
-def test_warp_specialized_backward_is_chosen_where_it_runs():
-    """Bulk-sized 16-bit factors on the GPU; never fp32, saved pre-activations, decode sizes or the
-    interpreter (Gluon kernels need a GPU)."""
-    factors, bf16 = Saved.FACTORS, torch.bfloat16
-    assert backward_is_warp_specialized(4096, bf16, True, factors) == glu_backward_ws.AVAILABLE
-    assert backward_is_warp_specialized(65, torch.float16, True, factors) == glu_backward_ws.AVAILABLE
-    assert not backward_is_warp_specialized(64, bf16, True, factors)
-    assert not backward_is_warp_specialized(4096, torch.float32, True, factors)
-    assert not backward_is_warp_specialized(4096, bf16, True, Saved.PREACT)
-    assert not backward_is_warp_specialized(4096, bf16, False, factors)
+def test_warp_specialized_kernels_are_chosen_where_they_run():
+    """Bulk-sized 16-bit problems on the GPU; never fp32, decode sizes or the interpreter (Gluon
+    kernels need a GPU), nor inference or the forward that skips ``a``."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    for kind in (Saved.FACTORS, Saved.PREACT):
+        assert backward_is_warp_specialized(4096, bf16, True, kind) == hopper_ws.AVAILABLE
+        assert backward_is_warp_specialized(65, fp16, True, kind) == hopper_ws.AVAILABLE
+        assert not backward_is_warp_specialized(64, bf16, True, kind)
+        assert not backward_is_warp_specialized(4096, torch.float32, True, kind)
+        assert not backward_is_warp_specialized(4096, bf16, False, kind)
+    for save in (Saved.FACTORS, Saved.PREACT):
+        assert forward_is_warp_specialized(4096, bf16, True, save, True) == hopper_ws.AVAILABLE
+        assert forward_is_warp_specialized(65, fp16, True, save, True) == hopper_ws.AVAILABLE
+        assert not forward_is_warp_specialized(64, bf16, True, save, True)
+        assert not forward_is_warp_specialized(4096, torch.float32, True, save, True)
+        assert not forward_is_warp_specialized(4096, bf16, False, save, True)
+    assert not forward_is_warp_specialized(4096, bf16, True, Saved.FACTORS, False)
+    assert not forward_is_warp_specialized(4096, bf16, True, Saved.NOTHING, True)
 
 
 @pytest.mark.gpu
@@ -205,7 +205,7 @@ def test_forward_kernel_variants_agree(device, save, config):
         assert relative_error(saved, saved_expected) < 1e-6
 
 
-@pytest.mark.parametrize("impl", FORWARDS)
+@pytest.mark.parametrize("impl", ["fused", "split"])
 @pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
 def test_forward_kernel_can_skip_a(device, kind, impl):
     """A backward that needs only the saved tensor gets it without ``a`` being written."""

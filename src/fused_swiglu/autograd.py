@@ -23,11 +23,17 @@ from __future__ import annotations
 import torch
 
 from .kernels.common import CHUNK, Saved, empty, interpreting, tma_ready
-from .kernels.configs import backward_is_warp_specialized, gemms_on_cublas, inference_uses_cublas
+from .kernels.configs import (
+    backward_is_warp_specialized,
+    forward_is_warp_specialized,
+    gemms_on_cublas,
+    inference_uses_cublas,
+)
 from .kernels.glu_activation import glu_activation
 from .kernels.glu_backward import glu_backward_
-from .kernels.glu_backward_ws import glu_backward_factors_ws_
+from .kernels.glu_backward_ws import glu_backward_ws_
 from .kernels.glu_forward import glu_forward
+from .kernels.glu_forward_ws import glu_forward_ws
 from .kernels.glu_grad import glu_grad_
 from .kernels.glu_split import glu_backward_split_, glu_forward_split
 
@@ -47,10 +53,14 @@ def _recompute_pieces(inter: int) -> tuple[int, int]:
     return pieces, inter // pieces
 
 
-def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, **kwargs):
-    """The fused forward kernel, or for fp32 on a GPU cuBLAS plus an in-place pass (same contract)."""
-    split = gemms_on_cublas(x.dtype, not interpreting())
-    return (glu_forward_split if split else glu_forward)(x, w_gate_up, **kwargs)
+def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, *, save: Saved, write_a: bool = True, **scales):
+    """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
+    plus an in-place pass (same contract)."""
+    on_gpu = not interpreting()
+    if forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
+        return glu_forward_ws(x, w_gate_up, save=save, **scales)
+    split = gemms_on_cublas(x.dtype, on_gpu)
+    return (glu_forward_split if split else glu_forward)(x, w_gate_up, save=save, write_a=write_a, **scales)
 
 
 def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, kind, **scales):
@@ -58,8 +68,7 @@ def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, k
     plus an in-place pass (same contract)."""
     on_gpu = not interpreting()
     if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, kind):
-        glu_backward_factors_ws_(dy, w_down, saved, out_scale=scales["out_scale"])
-        return None  # nothing to recompute with saved factors
+        return glu_backward_ws_(dy, w_down, saved, kind=kind, **scales)
     split = gemms_on_cublas(dy.dtype, on_gpu)
     return (glu_backward_split_ if split else glu_backward_)(dy, w_down, saved, kind=kind, **scales)
 

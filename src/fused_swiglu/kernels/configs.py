@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import CHUNK
-from . import glu_backward_ws
+from . import hopper_ws
 from .common import Saved
 
 
@@ -89,24 +89,36 @@ def gemms_on_cublas(dtype: torch.dtype, on_gpu: bool) -> bool:
     return on_gpu and dtype == torch.float32
 
 
-def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind: Saved) -> bool:
-    """Whether the backward with saved factors runs the warp-specialized Gluon kernel
-    (kernels/glu_backward_ws.py) instead of the Triton one.
+def _warp_specialized_runs(m: int, dtype: torch.dtype, on_gpu: bool) -> bool:
+    """The Gluon kernels take 16-bit inputs and [128, 256] tiles; decode-sized batches (64 rows or
+    fewer) keep the Triton kernels' small tiles, measured for them. Gluon kernels need a GPU: under
+    the interpreter the Triton kernels run."""
+    return on_gpu and hopper_ws.AVAILABLE and dtype in (torch.bfloat16, torch.float16) and m > 64
 
-    On the H200 in bf16 (NOTES.md item 30) the training step with it was level with the Triton
-    kernel's at llama3-8b and 0.4-4.7% faster at the four other benchmark shapes; the kernel alone
-    was 1-13% faster at four shapes. It takes 16-bit inputs and [128, 256] tiles; decode-sized
-    batches (64 rows or fewer) keep the Triton kernel's small tile, measured for them, and saved
-    pre-activations its recompute epilogue.
-    Gluon kernels need a GPU: under the interpreter the Triton kernel runs.
+
+def forward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save: Saved, write_a: bool) -> bool:
+    """Whether the training forward runs the warp-specialized Gluon kernel (kernels/glu_forward_ws.py)
+    instead of the Triton one.
+
+    On the H200 in bf16 (NOTES.md item 32, raw/ws-kernels-wip.log) the kernel alone was 0.8-13%
+    faster than the Triton kernel at all five benchmark shapes when it saves factors or
+    pre-activations, and 0.2-3% slower at all five in inference (nothing saved), which keeps the
+    Triton kernel. The one caller that needs no ``a`` (the GLU operator's recompute backward) keeps
+    the Triton kernel too, which can skip it.
     """
-    return (
-        on_gpu
-        and glu_backward_ws.AVAILABLE
-        and kind == Saved.FACTORS
-        and dtype in (torch.bfloat16, torch.float16)
-        and m > 64
-    )
+    return _warp_specialized_runs(m, dtype, on_gpu) and save != Saved.NOTHING and write_a
+
+
+def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind: Saved) -> bool:
+    """Whether backward stage 1 runs the warp-specialized Gluon kernel (kernels/glu_backward_ws.py)
+    instead of the Triton one.
+
+    On the H200 in bf16, with saved factors (NOTES.md item 30) the training step with it was level
+    with the Triton kernel's at llama3-8b and 0.4-4.7% faster at the four other benchmark shapes; the
+    kernel alone was 1-13% faster at four shapes. With saved pre-activations (item 32) the kernel
+    alone was 3-24% faster at four shapes.
+    """
+    return _warp_specialized_runs(m, dtype, on_gpu) and kind in (Saved.FACTORS, Saved.PREACT)
 
 
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
