@@ -149,7 +149,8 @@ def test_float32_gemms_on_cublas_match_reference(device, save, multipliers, forw
     """The fp32 path of a GPU (cuBLAS GEMMs, SwiGLU passes in place), forced here on any device."""
     monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     fused_launches = []
-    monkeypatch.setattr(autograd_mod, "glu_backward_", lambda *a, **k: fused_launches.append(k))
+    for name in ("glu_backward_", "glu_backward_ws_"):
+        monkeypatch.setattr(autograd_mod, name, lambda *a, **k: fused_launches.append(k))
     gm, dm = multipliers
     p = make_problem(70, 48, 96, dtype=torch.float32, device=device, gate_multiplier=gm, down_multiplier=dm)
     rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), torch.float32)
@@ -167,7 +168,7 @@ def test_recompute_backward_keeps_one_piece_alive(device, needs, cublas, monkeyp
     if cublas:
         monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     alive, alive_at_launch = weakref.WeakSet(), []
-    for name in ("glu_forward", "glu_forward_split"):
+    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):
         real = getattr(autograd_mod, name)
 
         def spy(*args, real=real, **kwargs):

@@ -50,7 +50,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, gate_multip
     if cublas:
         monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     launches = []
-    for name in ("glu_forward", "glu_forward_split"):  # either records what the forward saves
+    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):  # each records what is saved
         real = getattr(autograd_mod, name)
         monkeypatch.setattr(
             autograd_mod, name, lambda *a, real=real, **k: launches.append(k["save"]) or real(*a, **k)
@@ -78,7 +78,7 @@ def test_recompute_backward_keeps_one_piece_of_factors_alive(device, needs, cubl
     if cublas:
         monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     alive, pieces_alive_at_launch = weakref.WeakSet(), []
-    for name in ("glu_forward", "glu_forward_split"):
+    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):
         real = getattr(autograd_mod, name)
 
         def spy(*args, real=real, **kwargs):

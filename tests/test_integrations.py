@@ -173,7 +173,7 @@ def test_block_under_inductor(device, monkeypatch):
     inductor compiles those, the fused kernels still run (behind their graph break), and the step
     matches the uncompiled block. fp32 without TF32, so only summation order differs."""
     launches = []
-    for name in ("glu_forward", "glu_forward_split"):  # fp32 on a GPU takes the cuBLAS GEMM path
+    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):  # fp32 on a GPU: cuBLAS GEMMs
         real = getattr(autograd_mod, name)
         spy = lambda *a, real=real, **k: launches.append(1) or real(*a, **k)  # noqa: E731
         monkeypatch.setattr(autograd_mod, name, spy)
