@@ -100,9 +100,9 @@ def forward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save: 
     """Whether the training forward runs the warp-specialized Gluon kernel (kernels/glu_forward_ws.py)
     instead of the Triton one.
 
-    On the H200 in bf16 (NOTES.md item 32, raw/ws-kernels-wip.log) the kernel alone was 0.8-13%
+    On the H200 in bf16 (NOTES.md item 32, raw/ws-kernels-b37f862.log) the kernel alone was 0.7-11%
     faster than the Triton kernel at all five benchmark shapes when it saves factors or
-    pre-activations, and 0.2-3% slower at all five in inference (nothing saved), which keeps the
+    pre-activations, and 0.3-3.2% slower at all five in inference (nothing saved), which keeps the
     Triton kernel. The one caller that needs no ``a`` (the GLU operator's recompute backward) keeps
     the Triton kernel too, which can skip it.
     """
@@ -116,7 +116,7 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind:
     On the H200 in bf16, with saved factors (NOTES.md item 30) the training step with it was level
     with the Triton kernel's at llama3-8b and 0.4-4.7% faster at the four other benchmark shapes; the
     kernel alone was 1-13% faster at four shapes. With saved pre-activations (item 32) the kernel
-    alone was 3-24% faster at four shapes.
+    alone was 4-25% faster at all five shapes, and the step with it 1.2-2.3% faster.
     """
     return _warp_specialized_runs(m, dtype, on_gpu) and kind in (Saved.FACTORS, Saved.PREACT)
 

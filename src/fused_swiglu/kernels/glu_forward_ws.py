@@ -62,8 +62,8 @@ class WSForwardConfig:
     max_registers: int = 168
 
 
-#: Chosen on the H200 from five drafts at four shapes (raw/ws-drafts-cac0799.log): the fastest at three
-#: and within 0.6% at the fourth, and faster than the Triton kernel at all four.
+#: Chosen on the H200 from five drafts at four shapes (raw/ws-drafts-cac0799.log): the fastest at two
+#: and within 0.6% of the fastest at the other two, and faster than the Triton kernel at all four.
 CONFIG = WSForwardConfig()
 
 if AVAILABLE:
