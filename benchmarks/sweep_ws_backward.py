@@ -9,15 +9,13 @@ the order rotating between repetitions (``do_bench`` medians), next to the GEMM 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 
+import per_shape
 import torch
 from triton.testing import do_bench
 
-from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
@@ -26,7 +24,7 @@ from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.layout import CHUNK
 from fused_swiglu.testing import make_problem, relative_error
 
-CONFIGS = {
+SWEPT = {
     "chosen": CONFIGS[Saved.FACTORS],
     "pieces 8, buffers 4": WSConfig(pieces=8, saved_buffers=4),
     "pieces 8, buffers 4, lag 2": WSConfig(pieces=8, saved_buffers=4, store_lag=2),
@@ -54,7 +52,7 @@ def run_shape(name: str, reps: int) -> list[dict]:
                 p.dy, p.w_down, work, kind=Saved.FACTORS, gate_scale=1.0, out_scale=1.0, config=c
             )
         )
-        for label, c in CONFIGS.items()
+        for label, c in SWEPT.items()
     }
     errors = {}
     for label, fn in fns.items():
@@ -82,22 +80,5 @@ def run_shape(name: str, reps: int) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="sweep-ws-backward.json")
-    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
-    args = ap.parse_args()
-    meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
-    rows = []
-    for name in args.shapes:
-        rows += run_shape(name, args.reps)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(per_shape.main(run_shape, "sweep-ws-backward.json", __doc__.splitlines()[0]))

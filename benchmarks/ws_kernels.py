@@ -10,15 +10,13 @@ one loop, the order rotating between repetitions (``do_bench`` medians).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 
+import per_shape
 import torch
 from triton.testing import do_bench
 
-from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
@@ -99,22 +97,5 @@ def run_shape(name: str, reps: int) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="ws-kernels.json")
-    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
-    args = ap.parse_args()
-    meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
-    rows = []
-    for name in args.shapes:
-        rows += run_shape(name, args.reps)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(per_shape.main(run_shape, "ws-kernels.json", __doc__.splitlines()[0]))

@@ -20,26 +20,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from . import hopper_ws as ws
 from .common import CHUNK, Saved, empty, persistent_programs
 from .hopper_ws import AVAILABLE, gluon_descriptor
 
 if AVAILABLE:
-    from .hopper_ws import (
-        barriers,
-        fence_async_shared,
-        gl,
-        gluon,
-        mainloop,
-        mbarrier,
-        operand_loader,
-        pack,
-        ring_buffers,
-        silu_and_slope,
-        split_pieces,
-        tile_coords,
-        tma,
-        unpack,
-    )
+    from .hopper_ws import fence_async_shared, gl, gluon, mbarrier, tma
 
 
 @dataclass(frozen=True)
@@ -85,7 +71,7 @@ if AVAILABLE:
         num_n = gl.cdiv(N, BN)
         g = 0
         for tile in range(pid, num_m * num_n, nprog):
-            i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
             for p in gl.static_range(BN // W):
                 idx = g % NSAVED
                 mbarrier.wait(s_free.index(idx), ((g // NSAVED) & 1) ^ 1)
@@ -100,15 +86,15 @@ if AVAILABLE:
     def _gradient_piece(b_da, b_saved, gate_scale, out_scale, PREACT: gl.constexpr, CHUNK_: gl.constexpr):
         """[dU | dG] (packed) of one piece, and out_scale * a where the saved piece is [u | g]."""
         if PREACT:
-            b_u, b_g = unpack(b_saved, CHUNK_)
+            b_u, b_g = ws.unpack(b_saved, CHUNK_)
             # The same element-to-thread map as b_da, written differently after the reshapes: no data moves.
             b_u = gl.convert_layout(b_u, b_da.type.layout)
-            b_silu, b_slope = silu_and_slope(gl.convert_layout(b_g, b_da.type.layout) * gate_scale)
-            b_grad = pack(b_da * b_silu, b_da * b_u * b_slope * gate_scale, CHUNK_)
+            b_silu, b_slope = ws.silu_and_slope(gl.convert_layout(b_g, b_da.type.layout) * gate_scale)
+            b_grad = ws.pack(b_da * b_silu, b_da * b_u * b_slope * gate_scale, CHUNK_)
             b_a = b_silu * b_u * out_scale
         else:
             # The saved [silu(g) | gate_scale * u * silu'(g)] times dA lined up with both halves.
-            b_grad = b_saved * pack(b_da, b_da, CHUNK_)
+            b_grad = b_saved * ws.pack(b_da, b_da, CHUNK_)
             b_a = b_da  # unused
         return b_grad, b_a
 
@@ -121,7 +107,7 @@ if AVAILABLE:
         PREACT: gl.constexpr = a_desc is not None
         s_bufs, s_ready, s_free = saved
         NSAVED: gl.constexpr = s_bufs.type.shape[0]
-        packed_layout: gl.constexpr = pack(b_da, b_da, CHUNK_).type.layout
+        packed_layout: gl.constexpr = ws.pack(b_da, b_da, CHUNK_).type.layout
         idx = g % NSAVED
         buf = s_bufs.index(idx)
         mbarrier.wait(s_ready.index(idx), (g // NSAVED) & 1)
@@ -157,9 +143,10 @@ if AVAILABLE:
         j = 0
         g = 0
         for tile in range(pid, num_m * num_n, nprog):
-            i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
-            acc, j = mainloop(ring, gl.zeros([BM, BN], gl.float32, mma_layout), j, K, False)
-            pieces = split_pieces(acc * out_scale, BN // W)  # y carries the down multiplier, so dA does too
+            i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
+            acc, j = ws.mainloop(ring, gl.zeros([BM, BN], gl.float32, mma_layout), j, K, False)
+            # y carries the down multiplier, so dA does too
+            pieces = ws.split_pieces(acc * out_scale, BN // W)
             for p in gl.static_range(BN // W):
                 g = _epilogue_piece(
                     pieces[p], g, s_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W, gate_scale,
@@ -175,9 +162,9 @@ if AVAILABLE:
     ):  # fmt: skip
         """``a_desc`` is None for saved factors (nothing to recompute), ``a``'s descriptor for [u | g]."""
         BN: gl.constexpr = wd_desc.block_type.shape[1]
-        ring = ring_buffers(dy_desc, wd_desc, STAGES)
+        ring = ws.ring_buffers(dy_desc, wd_desc, STAGES)
         s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSAVED] + s_desc.block_type.shape, s_desc.layout)
-        saved = (s_bufs, barriers(NSAVED), barriers(NSAVED))
+        saved = (s_bufs, ws.barriers(NSAVED), ws.barriers(NSAVED))
         if a_desc is not None:
             a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NA] + a_desc.block_type.shape, a_desc.layout)
         else:
@@ -203,7 +190,7 @@ if AVAILABLE:
                         num_warps,
                     ),
                 ),  # fmt: skip
-                (operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
+                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
                 (_saved_loader, (s_desc, saved, problem, BN, GROUP_M)),
             ],
             [1, 1],

@@ -18,26 +18,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from . import hopper_ws as ws
 from .common import CHUNK, Saved, empty, persistent_programs
 from .hopper_ws import AVAILABLE, gluon_descriptor
 
 if AVAILABLE:
-    from .hopper_ws import (
-        barriers,
-        fence_async_shared,
-        gl,
-        gluon,
-        mainloop,
-        mbarrier,
-        operand_loader,
-        pack,
-        ring_buffers,
-        silu_and_slope,
-        split_pieces,
-        tile_coords,
-        tma,
-        unpack,
-    )
+    from .hopper_ws import fence_async_shared, gl, gluon, mbarrier, tma
 
 
 @dataclass(frozen=True)
@@ -80,7 +66,7 @@ if AVAILABLE:
         num_n = gl.cdiv(N, BN)
         g = 0
         for tile in range(pid, num_m * num_n, nprog):
-            i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
             for p in gl.static_range(BN // W):
                 b = g % NBUF
                 mbarrier.wait(st_ready.index(b), (g // NBUF) & 1)
@@ -112,16 +98,16 @@ if AVAILABLE:
         j = 0
         g = 0
         for _tile in range(pid, num_m * num_n, nprog):
-            acc, j = mainloop(ring, gl.zeros([BM, 2 * BN], gl.float32, mma_layout), j, K, True)
-            pieces = split_pieces(acc, BN // W)  # packed pieces: whole chunks of up and gate columns
+            acc, j = ws.mainloop(ring, gl.zeros([BM, 2 * BN], gl.float32, mma_layout), j, K, True)
+            pieces = ws.split_pieces(acc, BN // W)  # packed pieces: whole chunks of up and gate columns
             for p in gl.static_range(BN // W):
-                b_up, b_gate = unpack(pieces[p], CHUNK_)
-                b_silu, b_slope = silu_and_slope(b_gate * gate_scale)
+                b_up, b_gate = ws.unpack(pieces[p], CHUNK_)
+                b_silu, b_slope = ws.silu_and_slope(b_gate * gate_scale)
                 b = g % NBUF
                 mbarrier.wait(st_free.index(b), ((g // NBUF) & 1) ^ 1)
                 a_bufs.index(b).store((b_silu * b_up * out_scale).to(a_desc.dtype))
                 if SAVE == 1:
-                    b_factors = pack(b_silu, b_up * b_slope * gate_scale, CHUNK_)
+                    b_factors = ws.pack(b_silu, b_up * b_slope * gate_scale, CHUNK_)
                     s_bufs.index(b).store(b_factors.to(s_desc.dtype))
                 elif SAVE == 2:
                     s_bufs.index(b).store(pieces[p].to(s_desc.dtype))
@@ -137,13 +123,13 @@ if AVAILABLE:
     ):  # fmt: skip
         """``s_desc`` is None in inference (``SAVE`` 0), else the saved tensor's (``Saved`` values)."""
         BN: gl.constexpr = w_desc.block_type.shape[0] // 2
-        ring = ring_buffers(x_desc, w_desc, STAGES)
+        ring = ws.ring_buffers(x_desc, w_desc, STAGES)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NBUF] + a_desc.block_type.shape, a_desc.layout)
         if s_desc is not None:
             s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NBUF] + s_desc.block_type.shape, s_desc.layout)
         else:
             s_bufs = a_bufs  # unused
-        staged = (a_bufs, s_bufs, barriers(NBUF), barriers(NBUF))
+        staged = (a_bufs, s_bufs, ws.barriers(NBUF), ws.barriers(NBUF))
         problem = (M, N, K, gl.program_id(0), gl.num_programs(0))
         gl.warp_specialize(
             [
@@ -164,7 +150,7 @@ if AVAILABLE:
                         num_warps,
                     ),
                 ),  # fmt: skip
-                (operand_loader, (x_desc, w_desc, ring, problem, BN, GROUP_M, True)),
+                (ws.operand_loader, (x_desc, w_desc, ring, problem, BN, GROUP_M, True)),
                 (_storer, (a_desc, s_desc, staged, problem, BN, GROUP_M, LAG)),
             ],
             [1, 1],

@@ -1,0 +1,29 @@
+"""The command line and JSON output shared by the per-shape kernel benchmarks (``ws_kernels.py``,
+``sweep_ws_backward.py``): run a function over benchmark shapes, print the provenance line first, and
+rewrite the JSON after each shape, so that a run cut short keeps what it measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.run import SHAPES
+
+
+def main(run_shape: Callable[[str, int], list[dict]], default_out: str, description: str) -> int:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    ap.add_argument("--out", default=default_out)
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    args = ap.parse_args()
+    meta = provenance(args.commit)
+    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    rows = []
+    for name in args.shapes:
+        rows += run_shape(name, args.reps)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
