@@ -13,9 +13,9 @@ from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
-from fused_swiglu.kernels.glu_backward_ws import glu_backward_ws_
+from fused_swiglu.kernels.glu_backward_ws import WSConfig, glu_backward_ws_
 from fused_swiglu.kernels.glu_forward import glu_forward
-from fused_swiglu.kernels.glu_forward_ws import glu_forward_ws
+from fused_swiglu.kernels.glu_forward_ws import WSForwardConfig, glu_forward_ws
 from fused_swiglu.kernels.glu_split import glu_backward_split_, glu_forward_split
 from fused_swiglu.layout import CHUNK, split_packed_columns
 from fused_swiglu.testing import make_problem, relative_error, unit_roundoff
@@ -128,6 +128,34 @@ def test_warp_specialized_kernels_are_chosen_where_they_run():
         assert not forward_is_warp_specialized(4096, bf16, False, save, True)
     assert not forward_is_warp_specialized(4096, bf16, True, Saved.FACTORS, False)
     assert not forward_is_warp_specialized(4096, bf16, True, Saved.NOTHING, True)
+
+
+@pytest.mark.parametrize(
+    "make, changes",
+    [
+        (WSConfig, {"pieces": 3}),
+        (WSConfig, {"pieces": 64}),  # 4 columns a piece: less than one packed chunk
+        (WSConfig, {"saved_buffers": 1}),  # not deeper than the store lag: would deadlock
+        (WSConfig, {"a_buffers": 2, "store_lag": 2}),
+        (WSConfig, {"store_lag": 0}),
+        (WSForwardConfig, {"buffers": 2, "store_lag": 2}),
+        (WSForwardConfig, {"pieces": 32}),
+    ],
+)
+def test_warp_specialized_configs_reject_what_cannot_run(make, changes):
+    with pytest.raises(ValueError):
+        make(**changes)
+
+
+def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations(device):
+    p = make_problem(128, 64, 256, dtype=torch.float16, device=device)
+    saved = torch.zeros(128, 512, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="a_buffers"):
+        glu_backward_ws_(
+            p.dy, p.w_down, saved, kind=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=WSConfig()
+        )
+    with pytest.raises(ValueError, match="saved factors or pre-activations"):
+        glu_backward_ws_(p.dy, p.w_down, saved, kind=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
 
 
 @pytest.mark.gpu

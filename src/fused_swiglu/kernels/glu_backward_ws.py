@@ -50,6 +50,12 @@ class WSConfig:
     # The launch's register limit: 12 warps (8 consumers, the loaders' warpgroup) share 64K registers.
     max_registers: int = 168
 
+    def __post_init__(self) -> None:
+        rings = {"saved_buffers": self.saved_buffers}
+        if self.a_buffers:
+            rings["a_buffers"] = self.a_buffers
+        ws.check_pipeline(self.block_n, self.pieces, rings, self.store_lag)
+
 
 #: Per kind of saved tensor, chosen on the H200. Factors: from seven drafts at four shapes
 #: (raw/ws-backward-draft-2.log), the fastest or within about 2% of the fastest at each, and faster
@@ -218,6 +224,8 @@ def glu_backward_ws_(
     m, hidden = dy.shape
     inter = w_down.shape[1]
     c = config or CONFIGS[kind]
+    if kind == Saved.PREACT and not c.a_buffers:
+        raise ValueError("saved pre-activations need a_buffers for the recomputed a")
     width = c.block_n // c.pieces
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
     num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(inter, c.block_n)

@@ -47,6 +47,9 @@ class WSForwardConfig:
     # The launch's register limit: 12 warps (8 consumers, the workers' warpgroup) share 64K registers.
     max_registers: int = 168
 
+    def __post_init__(self) -> None:
+        ws.check_pipeline(self.block_n, self.pieces, {"buffers": self.buffers}, self.store_lag)
+
 
 #: Chosen on the H200 from five drafts at four shapes (raw/ws-drafts-cac0799.log): the fastest at two
 #: and within 0.6% of the fastest at the other two, and faster than the Triton kernel at all four.

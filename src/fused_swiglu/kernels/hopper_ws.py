@@ -24,7 +24,7 @@ import re
 import torch
 import triton
 
-from .common import bind_cuda_context
+from .common import CHUNK, bind_cuda_context
 
 #: Gluon is experimental and its API changes between releases (``warp_specialize`` took other
 #: arguments before 3.6), so these kernels run only on the Triton minor release they were tested with.
@@ -160,6 +160,22 @@ if AVAILABLE:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         return a_bufs, b_bufs, barriers(STAGES), barriers(STAGES)
+
+
+def check_pipeline(block_n: int, pieces: int, buffers: dict[str, int], store_lag: int) -> None:
+    """Raise on a launch shape the kernels cannot run: epilogue pieces must be whole packed chunks,
+    and every staging buffer ring must be deeper than the store lag, or a partition would wait for a
+    buffer that is only released after its own wait (a deadlock, not an error, on the GPU)."""
+    if pieces <= 0 or pieces & (pieces - 1) or block_n % pieces or (block_n // pieces) % CHUNK:
+        raise ValueError(
+            f"pieces must be a power of two that splits block_n {block_n} into multiples of {CHUNK} "
+            f"columns, got {pieces}"
+        )
+    if store_lag < 1:
+        raise ValueError(f"store_lag must be at least 1, got {store_lag}")
+    for name, count in buffers.items():
+        if count <= store_lag:
+            raise ValueError(f"{name} must exceed store_lag ({store_lag}), got {count}")
 
 
 @functools.cache
