@@ -119,44 +119,41 @@ def _gluon_descriptor_type(block: list[int], dtype: torch.dtype) -> str:
     return native_specialize_impl(BaseBackend, hopper_ws.gluon_descriptor(t, block), False, True, True)[0]
 
 
-def _compile_gluon(fn, blocks: dict, scalars: list[str], constants: dict, max_registers: int, dtype, target):
+def _compile_gluon(fn, blocks: dict, constants: dict, c: hopper_ws.WSLaunch, dtype, target):
     """Compile a warp-specialized kernel like its launcher does; a block of None is a None argument."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constants = {**constants, "CHUNK_": CHUNK, "num_warps": 8}
+    meta = c.meta()
+    options = {"num_warps": meta["num_warps"], "maxnreg": meta.pop("maxnreg")}
+    constants = {**constants, **meta}
     constants |= {name: None for name, block in blocks.items() if block is None}
     signature = {name: _gluon_descriptor_type(block, dtype) for name, block in blocks.items() if block}
-    signature |= dict.fromkeys(scalars, "i32") | dict.fromkeys(("gate_scale", "out_scale"), "fp32")
+    signature |= dict.fromkeys(("M", "N", "K"), "i32") | dict.fromkeys(("gate_scale", "out_scale"), "fp32")
     signature |= dict.fromkeys(constants, "constexpr")
     signature = {name: signature[name] for name in fn.arg_names}
-    options = {"num_warps": 8, "maxnreg": max_registers}
     return triton.compile(GluonASTSource(fn, signature, constants), target=target, options=options)
 
 
 def warp_specialized_backward_kernel(dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90):
     """The Gluon backward for one kind of saved tensor (its one config)."""
     c = glu_backward_ws.CONFIGS[kind]
-    width = c.block_n // c.pieces
-    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
+    width = c.piece_width
     a_block = [c.block_m, width] if kind == Saved.PREACT else None
+    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
     blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": a_block}
-    constants = {"GROUP_M": c.group_m, "STAGES": c.stages, "NSAVED": c.saved_buffers}
-    constants |= {"NA": max(c.a_buffers, 1), "LAG": c.store_lag, "LOADER_REGS": c.loader_regs}
-    fn = glu_backward_ws._glu_backward_ws_kernel
-    return c, _compile_gluon(fn, blocks, ["M", "N", "K"], constants, c.max_registers, dtype, target)
+    constants = {"NSAVED": c.saved_buffers, "NA": max(c.a_buffers, 1)}
+    return c, _compile_gluon(glu_backward_ws._glu_backward_ws_kernel, blocks, constants, c, dtype, target)
 
 
 def warp_specialized_forward_kernel(dtype: torch.dtype, save: Saved, target: GPUTarget = SM90):
     """The Gluon forward for one save mode (its one config)."""
     c = glu_forward_ws.CONFIG
-    width = c.block_n // c.pieces
-    blocks = {"x_desc": [c.block_m, c.block_k], "w_desc": [2 * c.block_n, c.block_k]}
+    width = c.piece_width
     s_block = None if save == Saved.NOTHING else [c.block_m, 2 * width]
+    blocks = {"x_desc": [c.block_m, c.block_k], "w_desc": [2 * c.block_n, c.block_k]}
     blocks |= {"a_desc": [c.block_m, width], "s_desc": s_block}
-    constants = {"GROUP_M": c.group_m, "STAGES": c.stages, "NBUF": c.buffers, "LAG": c.store_lag}
-    constants |= {"SAVE": int(save), "WORKER_REGS": c.worker_regs}
-    fn = glu_forward_ws._glu_forward_ws_kernel
-    return c, _compile_gluon(fn, blocks, ["M", "N", "K"], constants, c.max_registers, dtype, target)
+    constants = {"NBUF": c.buffers, "SAVE": int(save)}
+    return c, _compile_gluon(glu_forward_ws._glu_forward_ws_kernel, blocks, constants, c, dtype, target)
 
 
 def resources(kernel) -> dict:

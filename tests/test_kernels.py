@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fused_swiglu.kernels import glu_backward_ws as glu_backward_ws_mod
+from fused_swiglu.kernels import glu_forward_ws as glu_forward_ws_mod
 from fused_swiglu.kernels import hopper_ws
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
@@ -156,6 +158,36 @@ def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations
         )
     with pytest.raises(ValueError, match="saved factors or pre-activations"):
         glu_backward_ws_(p.dy, p.w_down, saved, kind=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
+
+
+@pytest.mark.skipif(not hopper_ws.AVAILABLE, reason="the Gluon kernels need Triton 3.6")
+@pytest.mark.parametrize("family", ["forward", "backward"])
+@pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_warp_specialized_launchers_pass_every_kernel_argument(family, save, monkeypatch):
+    """Each launcher hands its kernel exactly the kernel's parameters (checked on any machine: the
+    launch is intercepted, so no GPU is needed), plus the register limit."""
+    if family == "backward" and save == Saved.NOTHING:
+        pytest.skip("the backward reads something saved")
+    module = glu_forward_ws_mod if family == "forward" else glu_backward_ws_mod
+    name = "_glu_forward_ws_kernel" if family == "forward" else "_glu_backward_ws_kernel"
+    kernel, launches = getattr(module, name), []
+
+    class Intercepted:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(module, name, Intercepted())
+    p = make_problem(300, 64, 512, dtype=torch.bfloat16, device=torch.device("cpu"))
+    if family == "forward":
+        glu_forward_ws(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)
+    else:
+        saved = torch.zeros(300, 1024, dtype=torch.bfloat16)
+        glu_backward_ws_(p.dy, p.w_down, saved, kind=save, gate_scale=0.7, out_scale=1.3)
+    [(grid, args, kwargs)] = launches
+    assert grid == (3,)  # persistent: three programs on CPU (the interpreter's count)
+    # The positional arguments fill the kernel's first parameters, the keywords all the others
+    # (num_warps is a parameter of these kernels); maxnreg is a launch option.
+    assert set(kwargs) == set(kernel.arg_names[len(args) :]) | {"maxnreg"}
 
 
 @pytest.mark.gpu

@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import hopper_ws as ws
-from .common import CHUNK, Saved, empty, persistent_programs
+from .common import Saved, empty
 from .hopper_ws import AVAILABLE, gluon_descriptor
 
 if AVAILABLE:
@@ -29,32 +28,17 @@ if AVAILABLE:
 
 
 @dataclass(frozen=True)
-class WSConfig:
-    """One launch shape of the warp-specialized backward (``block_n`` counts intermediate columns)."""
+class WSConfig(ws.WSLaunch):
+    """One launch shape of the warp-specialized backward: [128, 256] tiles, the epilogue in 16
+    pieces of [128, 32] saved columns (8 KB each), so 8 saved buffers (64 KB) fit beside 3 stages."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    stages: int = 3
-    # The epilogue walks the tile in this many column pieces, each through one of ``saved_buffers``
-    # shared buffers: 16 pieces of [128, 32] use 8 KB each, so 8 buffers (64 KB) fit beside 3 stages.
-    pieces: int = 16
     saved_buffers: int = 8
     # Saved pre-activations also stage ``a`` (4 KB a piece) in this many buffers of its own.
     a_buffers: int = 0
-    # A buffer goes back to its loader once the store this many pieces back has read it.
-    store_lag: int = 1
-    # Registers per thread of each loader warp; the consumers get the rest of the register file.
-    loader_regs: int = 40
-    # The launch's register limit: 12 warps (8 consumers, the loaders' warpgroup) share 64K registers.
-    max_registers: int = 168
 
-    def __post_init__(self) -> None:
+    def staging_rings(self) -> dict[str, int]:
         rings = {"saved_buffers": self.saved_buffers}
-        if self.a_buffers:
-            rings["a_buffers"] = self.a_buffers
-        ws.check_pipeline(self.block_n, self.pieces, rings, self.store_lag)
+        return rings | ({"a_buffers": self.a_buffers} if self.a_buffers else {})
 
 
 #: Per kind of saved tensor, chosen on the H200. Factors: from seven drafts at four shapes
@@ -164,7 +148,7 @@ if AVAILABLE:
     def _glu_backward_ws_kernel(
         dy_desc, wd_desc, s_desc, a_desc, M, N, K, gate_scale, out_scale, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, NSAVED: gl.constexpr, NA: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr,
-        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr
+        WORKER_REGS: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
         """``a_desc`` is None for saved factors (nothing to recompute), ``a``'s descriptor for [u | g]."""
         BN: gl.constexpr = wd_desc.block_type.shape[1]
@@ -200,7 +184,7 @@ if AVAILABLE:
                 (_saved_loader, (s_desc, saved, problem, BN, GROUP_M)),
             ],
             [1, 1],
-            [LOADER_REGS, LOADER_REGS],
+            [WORKER_REGS, WORKER_REGS],
         )
 
 
@@ -226,10 +210,9 @@ def glu_backward_ws_(
     c = config or CONFIGS[kind]
     if kind == Saved.PREACT and not c.a_buffers:
         raise ValueError("saved pre-activations need a_buffers for the recomputed a")
-    width = c.block_n // c.pieces
+    width = c.piece_width
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
-    num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(inter, c.block_n)
-    _glu_backward_ws_kernel[(persistent_programs(num_tiles, dy.device),)](
+    _glu_backward_ws_kernel[(c.programs(m, inter, dy.device),)](
         gluon_descriptor(dy, [c.block_m, c.block_k]),
         gluon_descriptor(w_down, [c.block_k, c.block_n]),
         gluon_descriptor(saved, [c.block_m, 2 * width]),
@@ -239,14 +222,8 @@ def glu_backward_ws_(
         hidden,
         float(gate_scale),
         float(out_scale),
-        GROUP_M=c.group_m,
-        STAGES=c.stages,
         NSAVED=c.saved_buffers,
         NA=max(c.a_buffers, 1),
-        LAG=c.store_lag,
-        CHUNK_=CHUNK,
-        LOADER_REGS=c.loader_regs,
-        num_warps=8,
-        maxnreg=c.max_registers,
+        **c.meta(),
     )
     return a

@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import hopper_ws as ws
-from .common import CHUNK, Saved, empty, persistent_programs
+from .common import Saved, empty
 from .hopper_ws import AVAILABLE, gluon_descriptor
 
 if AVAILABLE:
@@ -27,28 +26,18 @@ if AVAILABLE:
 
 
 @dataclass(frozen=True)
-class WSForwardConfig:
-    """One launch shape of the warp-specialized forward (``block_n`` counts intermediate columns; the
-    packed weight tile is ``2 * block_n`` rows)."""
+class WSForwardConfig(ws.WSLaunch):
+    """One launch shape of the warp-specialized forward: [128, 256] packed tiles (128 intermediate
+    columns), the epilogue in 4 pieces of a [128, 32] and a saved [128, 64] (24 KB a pair), so 3
+    staging pairs fit beside 3 stages."""
 
-    block_m: int = 128
     block_n: int = 128
-    block_k: int = 64
-    group_m: int = 8
-    stages: int = 3
-    # The epilogue goes out in this many column pieces, each through one of ``buffers`` staging pairs:
-    # 4 pieces of a [128, 32] and a saved [128, 64] use 24 KB a pair, so 3 pairs fit beside 3 stages.
     pieces: int = 4
     buffers: int = 3
-    # A pair goes back to the consumers once the stores this many pieces back have read it.
     store_lag: int = 2
-    # Registers per thread of the loader and storer warps; the consumers get the rest.
-    worker_regs: int = 40
-    # The launch's register limit: 12 warps (8 consumers, the workers' warpgroup) share 64K registers.
-    max_registers: int = 168
 
-    def __post_init__(self) -> None:
-        ws.check_pipeline(self.block_n, self.pieces, {"buffers": self.buffers}, self.store_lag)
+    def staging_rings(self) -> dict[str, int]:
+        return {"buffers": self.buffers}
 
 
 #: Chosen on the H200 from five drafts at four shapes (raw/ws-drafts-cac0799.log): the fastest at two
@@ -178,11 +167,10 @@ def glu_forward_ws(
     m, hidden = x.shape
     inter = w_packed.shape[0] // 2
     c = config
-    width = c.block_n // c.pieces
+    width = c.piece_width
     a = empty((m, inter), x)
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
-    num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(inter, c.block_n)
-    _glu_forward_ws_kernel[(persistent_programs(num_tiles, x.device),)](
+    _glu_forward_ws_kernel[(c.programs(m, inter, x.device),)](
         gluon_descriptor(x, [c.block_m, c.block_k]),
         gluon_descriptor(w_packed, [2 * c.block_n, c.block_k]),
         gluon_descriptor(a, [c.block_m, width]),
@@ -192,14 +180,8 @@ def glu_forward_ws(
         hidden,
         float(gate_scale),
         float(out_scale),
-        GROUP_M=c.group_m,
-        STAGES=c.stages,
         NBUF=c.buffers,
-        LAG=c.store_lag,
         SAVE=int(save),
-        CHUNK_=CHUNK,
-        WORKER_REGS=c.worker_regs,
-        num_warps=8,
-        maxnreg=c.max_registers,
+        **c.meta(),
     )
     return a, saved

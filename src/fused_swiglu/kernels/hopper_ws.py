@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 
 import torch
 import triton
 
-from .common import CHUNK, bind_cuda_context
+from .common import CHUNK, bind_cuda_context, persistent_programs
 
 #: Gluon is experimental and its API changes between releases (``warp_specialize`` took other
 #: arguments before 3.6), so these kernels run only on the Triton minor release they were tested with.
@@ -176,6 +177,53 @@ def check_pipeline(block_n: int, pieces: int, buffers: dict[str, int], store_lag
     for name, count in buffers.items():
         if count <= store_lag:
             raise ValueError(f"{name} must exceed store_lag ({store_lag}), got {count}")
+
+
+@dataclass(frozen=True)
+class WSLaunch:
+    """What every warp-specialized launch shape has (``block_n`` counts intermediate columns)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 3
+    # The epilogue walks the tile in this many column pieces, each through staging buffers.
+    pieces: int = 16
+    # A staging buffer is reused once the stores this many pieces back have read it.
+    store_lag: int = 1
+    # Registers per thread of each single-warp partition; the consumers get the rest of the file.
+    worker_regs: int = 40
+    # The launch's register limit: 12 warps (8 consumers, the workers' warpgroup) share 64K registers.
+    max_registers: int = 168
+
+    def staging_rings(self) -> dict[str, int]:
+        """The depth of each ring of staging buffers, by field name."""
+        return {}
+
+    def __post_init__(self) -> None:
+        check_pipeline(self.block_n, self.pieces, self.staging_rings(), self.store_lag)
+
+    @property
+    def piece_width(self) -> int:
+        """Intermediate columns per epilogue piece."""
+        return self.block_n // self.pieces
+
+    def programs(self, m: int, inter: int, device: torch.device) -> int:
+        """The persistent grid: one program per multiprocessor, never more than there are tiles."""
+        return persistent_programs(triton.cdiv(m, self.block_m) * triton.cdiv(inter, self.block_n), device)
+
+    def meta(self) -> dict:
+        """The launch arguments every warp-specialized kernel takes."""
+        return {
+            "GROUP_M": self.group_m,
+            "STAGES": self.stages,
+            "LAG": self.store_lag,
+            "CHUNK_": CHUNK,
+            "WORKER_REGS": self.worker_regs,
+            "num_warps": 8,
+            "maxnreg": self.max_registers,
+        }
 
 
 @functools.cache
