@@ -29,12 +29,14 @@ SCALES = {"gate_scale": 0.7, "out_scale": 1.3}
 
 
 def forward_family(p, save: Saved):
-    """(GEMM, {kernel: launch}, outputs of a launch) for the forward with this save mode."""
+    """(GEMM, {kernel: launch}, outputs of a launch, time to subtract) for the forward with this
+    save mode."""
     kernels = {
         "triton": lambda: glu_forward(p.x, p.w_gate_up, save=save, **SCALES),
         "warp-specialized": lambda: glu_forward_ws(p.x, p.w_gate_up, save=save, **SCALES),
     }
-    return (lambda: torch.mm(p.x, p.w_gate_up.t())), kernels, lambda fn: [t for t in fn() if t is not None]
+    outputs = lambda fn: [t for t in fn() if t is not None]  # noqa: E731
+    return (lambda: torch.mm(p.x, p.w_gate_up.t())), kernels, outputs, 0.0
 
 
 def backward_family(p, kind: Saved):
@@ -61,7 +63,7 @@ def backward_family(p, kind: Saved):
 def run_shape(name: str, reps: int) -> list[dict]:
     m, hidden, inter = SHAPES[name]
     p = make_problem(m, hidden, inter, dtype=torch.bfloat16, device="cuda", seed=1)
-    families = {f"forward {s.name}": (*forward_family(p, s), 0.0) for s in Saved}
+    families = {f"forward {s.name}": forward_family(p, s) for s in Saved}
     families |= {f"backward {k.name}": backward_family(p, k) for k in (Saved.FACTORS, Saved.PREACT)}
     rows = []
     print(f"\n{name} (M={m}, H={hidden}, I={inter})", flush=True)

@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from launch_spies import BACKWARD_LAUNCHERS, FORWARD_LAUNCHERS, record_launches, wrap_launchers
 
 import fused_swiglu.autograd as autograd_mod
 import fused_swiglu.dispatch as dispatch_mod
@@ -44,56 +45,43 @@ def kernel_saves(save: str, inter: int) -> list[Saved]:
     return [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
 
-def record_launches(monkeypatch, record: dict) -> list:
-    """Wrap autograd's launchers named in ``record`` ({name: what to record from the call's keyword
-    arguments}) so that each call appends that to the returned list, then runs as before."""
-    calls = []
-    for name, what in record.items():
-        real = getattr(autograd_mod, name)
-
-        def spy(*args, real=real, what=what, **kwargs):
-            calls.append(what(kwargs))
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(autograd_mod, name, spy)
-    return calls
-
-
 @pytest.fixture
 def forward_saves(monkeypatch):
     """The ``save`` argument of every forward GEMM launch, fused or (fp32 on a GPU) on cuBLAS with
     its in-place pass; NOTHING means inference."""
-    save = lambda kwargs: kwargs["save"]  # noqa: E731
-    return record_launches(
-        monkeypatch, {"glu_forward": save, "glu_forward_ws": save, "glu_forward_split": save}
-    )
+    return record_launches(monkeypatch, dict.fromkeys(FORWARD_LAUNCHERS, lambda kwargs: kwargs["save"]))
+
+
+#: What each launcher in launch_spies' lists is called in the launch records, in the lists' order.
+KERNEL_LABELS = ("triton", "warp-specialized", "cublas")
+
+
+def kernel_labels(monkeypatch, launchers) -> list:
+    """Which kernel each launch took: Triton, warp-specialized (Gluon), or (fp32 on a GPU) cuBLAS
+    with its in-place pass."""
+    record = {
+        name: (lambda kwargs, label=label: label)
+        for name, label in zip(launchers, KERNEL_LABELS, strict=True)
+    }
+    return record_launches(monkeypatch, record)
 
 
 @pytest.fixture
 def forward_launches(monkeypatch):
-    """Which forward kernel each forward launch took (as ``backward_launches`` below)."""
-    return record_launches(
-        monkeypatch,
-        {
-            "glu_forward_ws": lambda kwargs: "warp-specialized",
-            "glu_forward": lambda kwargs: "triton",
-            "glu_forward_split": lambda kwargs: "cublas",
-        },
-    )
+    return kernel_labels(monkeypatch, FORWARD_LAUNCHERS)
 
 
 @pytest.fixture
 def backward_launches(monkeypatch):
-    """Which backward kernel each backward launch took: the warp-specialized one, the Triton one, or
-    (fp32 on a GPU) cuBLAS with its in-place pass."""
-    return record_launches(
-        monkeypatch,
-        {
-            "glu_backward_ws_": lambda kwargs: "warp-specialized",
-            "glu_backward_": lambda kwargs: "triton",
-            "glu_backward_split_": lambda kwargs: "cublas",
-        },
-    )
+    return kernel_labels(monkeypatch, BACKWARD_LAUNCHERS)
+
+
+def test_launch_spies_cover_every_launcher():
+    """A launcher autograd calls but the spies do not wrap would go unrecorded (it happened once: a
+    launch list came back empty on the GPU only)."""
+    names = set(vars(autograd_mod))
+    assert {n for n in names if n.startswith("glu_forward")} == set(FORWARD_LAUNCHERS)
+    assert {n for n in names if n.startswith("glu_backward")} == set(BACKWARD_LAUNCHERS)
 
 
 def expected_launches(save: str, shape, dtype, device) -> tuple[list[str], list[str]]:
@@ -149,7 +137,7 @@ def test_float32_gemms_on_cublas_match_reference(device, save, multipliers, forw
     """The fp32 path of a GPU (cuBLAS GEMMs, SwiGLU passes in place), forced here on any device."""
     monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     fused_launches = []
-    for name in ("glu_backward_", "glu_backward_ws_"):
+    for name in ("glu_backward_", "glu_backward_ws_"):  # the fused ones: fp32 takes neither
         monkeypatch.setattr(autograd_mod, name, lambda *a, **k: fused_launches.append(k))
     gm, dm = multipliers
     p = make_problem(70, 48, 96, dtype=torch.float32, device=device, gate_multiplier=gm, down_multiplier=dm)
@@ -168,17 +156,15 @@ def test_recompute_backward_keeps_one_piece_alive(device, needs, cublas, monkeyp
     if cublas:
         monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     alive, alive_at_launch = weakref.WeakSet(), []
-    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):
-        real = getattr(autograd_mod, name)
 
-        def spy(*args, real=real, **kwargs):
-            alive_at_launch.append(len(alive))
-            a, saved = real(*args, **kwargs)
-            if saved is not None:
-                alive.update([a, saved])
-            return a, saved
+    def around(real, *args, **kwargs):
+        alive_at_launch.append(len(alive))
+        a, saved = real(*args, **kwargs)
+        if saved is not None:
+            alive.update([a, saved])
+        return a, saved
 
-        monkeypatch.setattr(autograd_mod, name, spy)
+    wrap_launchers(monkeypatch, FORWARD_LAUNCHERS, around)
     multipliers = {"gate_multiplier": 0.5, "down_multiplier": 2.0}
     p = make_problem(45, 40, 96, dtype=torch.float32, device=device, **multipliers)
     x = p.x.detach().requires_grad_(needs in ("x", "all"))

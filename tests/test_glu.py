@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 import torch
+from launch_spies import FORWARD_LAUNCHERS, record_launches, wrap_launchers
 
 import fused_swiglu.autograd as autograd_mod
 from fused_swiglu import SwiGLULinear, fused_path_available, pack_gate_up, swiglu_linear
@@ -49,12 +50,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, gate_multip
     """Both GEMM paths: the default for the device, and the fp32 one of a GPU forced on any device."""
     if cublas:
         monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
-    launches = []
-    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):  # each records what is saved
-        real = getattr(autograd_mod, name)
-        monkeypatch.setattr(
-            autograd_mod, name, lambda *a, real=real, **k: launches.append(k["save"]) or real(*a, **k)
-        )
+    launches = record_launches(monkeypatch, dict.fromkeys(FORWARD_LAUNCHERS, lambda kwargs: kwargs["save"]))
     p = make_problem(*shape, dtype=dtype, device=device, gate_multiplier=gate_multiplier)
 
     def fused(x, w):
@@ -78,17 +74,15 @@ def test_recompute_backward_keeps_one_piece_of_factors_alive(device, needs, cubl
     if cublas:
         monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     alive, pieces_alive_at_launch = weakref.WeakSet(), []
-    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):
-        real = getattr(autograd_mod, name)
 
-        def spy(*args, real=real, **kwargs):
-            pieces_alive_at_launch.append(len(alive))
-            a, saved = real(*args, **kwargs)
-            if saved is not None:
-                alive.add(saved)
-            return a, saved
+    def around(real, *args, **kwargs):
+        pieces_alive_at_launch.append(len(alive))
+        a, saved = real(*args, **kwargs)
+        if saved is not None:
+            alive.add(saved)
+        return a, saved
 
-        monkeypatch.setattr(autograd_mod, name, spy)
+    wrap_launchers(monkeypatch, FORWARD_LAUNCHERS, around)
     p = make_problem(45, 40, 96, dtype=torch.float32, device=device, gate_multiplier=0.5)
     x = p.x.detach().requires_grad_(needs in ("x", "both"))
     w = p.w_gate_up.detach().requires_grad_(needs in ("weight", "both"))

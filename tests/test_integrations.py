@@ -3,9 +3,9 @@
 
 import pytest
 import torch
+from launch_spies import FORWARD_LAUNCHERS, record_launches
 from torch.utils.checkpoint import checkpoint
 
-import fused_swiglu.autograd as autograd_mod
 from fused_swiglu import (
     SwiGLULinear,
     SwiGLUMLP,
@@ -172,11 +172,7 @@ def test_block_under_inductor(device, monkeypatch):
     """The default torch.compile backend around the fused MLP, with a norm before and a residual after:
     inductor compiles those, the fused kernels still run (behind their graph break), and the step
     matches the uncompiled block. fp32 without TF32, so only summation order differs."""
-    launches = []
-    for name in ("glu_forward", "glu_forward_ws", "glu_forward_split"):  # fp32 on a GPU: cuBLAS GEMMs
-        real = getattr(autograd_mod, name)
-        spy = lambda *a, real=real, **k: launches.append(1) or real(*a, **k)  # noqa: E731
-        monkeypatch.setattr(autograd_mod, name, spy)
+    launches = record_launches(monkeypatch, dict.fromkeys(FORWARD_LAUNCHERS, lambda kwargs: 1))
     torch._dynamo.reset()
     torch.manual_seed(0)
     mlp = SwiGLUMLP(256, 512, device=device)

@@ -106,7 +106,7 @@ def forward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save: 
     Triton kernel. The one caller that needs no ``a`` (the GLU operator's recompute backward) keeps
     the Triton kernel too, which can skip it.
     """
-    return _warp_specialized_runs(m, dtype, on_gpu) and save != Saved.NOTHING and write_a
+    return save != Saved.NOTHING and write_a and _warp_specialized_runs(m, dtype, on_gpu)
 
 
 def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind: Saved) -> bool:
@@ -116,7 +116,7 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind:
     On the H200 in bf16, with saved factors (NOTES.md item 30) the training step with it was level
     with the Triton kernel's at llama3-8b and 0.4-4.7% faster at the four other benchmark shapes; the
     kernel alone was 1-13% faster at four shapes. With saved pre-activations (item 32) the kernel
-    alone was 4-25% faster at all five shapes, and the step with it 1.2-2.3% faster.
+    alone was 4-25% faster at all five shapes, and the step with it 1.1-2.3% faster.
     """
     return _warp_specialized_runs(m, dtype, on_gpu) and kind in (Saved.FACTORS, Saved.PREACT)
 

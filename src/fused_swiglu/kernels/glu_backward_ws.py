@@ -44,8 +44,9 @@ class WSConfig(ws.WSLaunch):
 #: Per kind of saved tensor, chosen on the H200. Factors: from seven drafts at four shapes
 #: (raw/ws-backward-draft-2.log), the fastest or within about 2% of the fastest at each, and faster
 #: than the Triton kernel at all four; the library kernel's sweep agreed (raw/sweep-ws-backward-d03770a.log,
-#: benchmarks/sweep_ws_backward.py). Pre-activations: the fastest of three drafts at all four shapes
-#: (raw/ws-drafts-cac0799.log), half the saved buffers handed to ``a``.
+#: benchmarks/sweep_ws_backward.py). Pre-activations: of three drafts at four shapes
+#: (raw/ws-drafts-cac0799.log), the fastest at three and 0.7% behind a store lag of 2 at llama3-8b;
+#: half the saved buffers are handed to ``a``.
 CONFIGS = {Saved.FACTORS: WSConfig(), Saved.PREACT: WSConfig(saved_buffers=4, a_buffers=4)}
 
 if AVAILABLE:
