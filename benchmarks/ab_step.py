@@ -12,7 +12,11 @@ experiments, each over the five benchmark shapes and the GLU operator at (11136,
   placed the same ways;
 - ``warp-specialized-factors`` / ``-preact`` / ``-recompute``: the MLP step with the Triton kernels,
   with the warp-specialized (Gluon) backward only, and with the Gluon forward and backward, each
-  where the library picks it.
+  where the library picks it;
+- ``ping-pong-factors`` / ``-recompute``: the MLP step with the Gluon backward (saved factors) in
+  each of its launch shapes, cooperative and ping-pong, at every shape.
+
+``--shape M H I`` adds an MLP shape to every experiment.
 
 Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
 the order rotating between repetitions), so the ratios compare runs taken side by side.
@@ -32,6 +36,7 @@ from stream_variants import floor_step_beside, weight_grads_beside
 from triton.testing import do_bench
 
 import fused_swiglu.autograd as autograd_mod
+import fused_swiglu.kernels.glu_backward_ws as glu_backward_ws_mod
 import fused_swiglu.kernels.glu_forward as glu_forward_mod
 from fused_swiglu.bench.glu import GLUFloor
 from fused_swiglu.bench.impls import GemmFloor
@@ -92,6 +97,19 @@ def gluon_kernels(forward: bool, backward: bool):
         autograd_mod.forward_is_warp_specialized, autograd_mod.backward_is_warp_specialized = chosen
 
 
+@contextlib.contextmanager
+def backward_launch(config):
+    """The Gluon backward with this launch shape for saved factors, whatever the shape would pick."""
+    chosen = glu_backward_ws_mod.backward_config
+    glu_backward_ws_mod.backward_config = lambda kind, hidden: (
+        config if kind == Saved.FACTORS else chosen(kind, hidden)
+    )
+    try:
+        yield
+    finally:
+        glu_backward_ws_mod.backward_config = chosen
+
+
 EXPERIMENTS = {
     "recompute-pieces": (
         "recompute",
@@ -130,10 +148,20 @@ EXPERIMENTS = {
         )
         for save in ("factors", "preact", "recompute")
     },
+    **{
+        f"ping-pong-{save}": (
+            save,
+            {
+                "cooperative": lambda: backward_launch(glu_backward_ws_mod.CONFIGS[Saved.FACTORS]),
+                "ping-pong": lambda: backward_launch(glu_backward_ws_mod.PING_PONG),
+            },
+        )
+        for save in ("factors", "recompute")
+    },
 }
 
 #: Experiments about a kernel the GLU operator does not run.
-MLP_ONLY = {name for name in EXPERIMENTS if name.startswith("warp-specialized")}
+MLP_ONLY = {name for name in EXPERIMENTS if name.startswith(("warp-specialized", "ping-pong"))}
 
 #: Experiments that also time the floor's GEMMs placed on two streams as their variants place them.
 FLOOR_PLACEMENTS = {
@@ -149,9 +177,11 @@ def variant(context, step):
     return run
 
 
-def problems(save: str, glu: bool = True):
-    """(label, floor, library step, leaves): the MLP shapes, then the GLU operator if it has ``save``."""
-    for name, (m, h, i) in SHAPES.items():
+def problems(save: str, glu: bool = True, extra: tuple = ()):
+    """(label, floor, library step, leaves): the MLP shapes (the benchmark's, then ``extra``), then the
+    GLU operator if it has ``save``."""
+    shapes = SHAPES | {f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in extra}
+    for name, (m, h, i) in shapes.items():
         torch.manual_seed(0)
         module = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -170,10 +200,10 @@ def problems(save: str, glu: bool = True):
     yield "glu M11136-H3584-I14336", floor, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
 
 
-def run_experiment(name: str, reps: int) -> list[dict]:
+def run_experiment(name: str, reps: int, extra: tuple = ()) -> list[dict]:
     save, variants = EXPERIMENTS[name]
     rows = []
-    for label, floor, step, leaves in problems(save, glu=name not in MLP_ONLY):
+    for label, floor, step, leaves in problems(save, glu=name not in MLP_ONLY, extra=extra):
         fns = {"floor": floor.step}
         fns |= {f"floor {p}": floor_step_beside(floor, p) for p in FLOOR_PLACEMENTS.get(name, ())}
         fns |= {v: variant(ctx, step) for v, ctx in variants.items()}
@@ -219,12 +249,15 @@ def main() -> int:
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--only", choices=sorted(EXPERIMENTS), action="append", help="run only these experiments")
+    ap.add_argument(
+        "--shape", type=int, nargs=3, action="append", default=[], metavar=("M", "HIDDEN", "INTERMEDIATE")
+    )
     args = ap.parse_args()
     meta = provenance(args.commit)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
     rows: list[dict] = []
     for name in args.only or list(EXPERIMENTS):
-        rows += run_experiment(name, args.reps)
+        rows += run_experiment(name, args.reps, tuple(map(tuple, args.shape)))
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

@@ -145,6 +145,15 @@ def warp_specialized_backward_kernel(dtype: torch.dtype, kind: Saved, target: GP
     return c, _compile_gluon(glu_backward_ws._glu_backward_ws_kernel, blocks, constants, c, dtype, target)
 
 
+def ping_pong_backward_kernel(dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90):
+    """The Gluon backward's ping-pong launch (saved factors, small hidden sizes)."""
+    c = glu_backward_ws.PING_PONG
+    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
+    blocks |= {"s_desc": [c.block_m, 2 * c.piece_width]}
+    constants = {"NSAVED": c.saved_buffers}
+    return c, _compile_gluon(glu_backward_ws._glu_backward_pp_kernel, blocks, constants, c, dtype, target)
+
+
 def warp_specialized_forward_kernel(dtype: torch.dtype, save: Saved, target: GPUTarget = SM90):
     """The Gluon forward for one save mode (its one config)."""
     c = glu_forward_ws.CONFIG
@@ -235,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch == 90 and hopper_ws.AVAILABLE:  # wgmma: Hopper only
         gluon_kernels = [(warp_specialized_forward_kernel, "forward", save) for save in Saved]
         gluon_kernels += [(warp_specialized_backward_kernel, "backward", k) for k in glu_backward_ws.CONFIGS]
+        gluon_kernels += [(ping_pong_backward_kernel, "backward ping-pong", Saved.FACTORS)]
         for (build, family, save), dtype in itertools.product(gluon_kernels, (torch.bfloat16, torch.float16)):
             c, kernel = build(dtype, save, target)
             tile = f"{c.block_m}x{c.block_n}x{c.block_k} s{c.stages} e{c.pieces}"

@@ -12,18 +12,31 @@ from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
 
 
-def main(run_shape: Callable[[str, int], list[dict]], default_out: str, description: str) -> int:
+def main(
+    run_shape: Callable[[str, tuple[int, int, int], int], list[dict]], default_out: str, description: str
+) -> int:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("M", "HIDDEN", "INTERMEDIATE"),
+        help="an extra shape; repeatable",
+    )
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     ap.add_argument("--out", default=default_out)
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
     meta = provenance(args.commit)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    shapes |= {f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape}
     rows = []
-    for name in args.shapes:
-        rows += run_shape(name, args.reps)
+    for name, shape in shapes.items():
+        rows += run_shape(name, shape, args.reps)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

@@ -1,10 +1,11 @@
 """Configs of the warp-specialized backward kernel against the Triton kernel and cuBLAS's dY @ W_down.
 
 Run on the GPU: ``python benchmarks/sweep_ws_backward.py [--shapes NAME ...] [--reps N] [--out F]
-[--commit SHA]``. For each benchmark shape (bf16), every ``WSConfig`` below and the Triton kernel
-overwrite the same saved factors (restored by a copy before each launch, whose time is subtracted);
-each is checked against the float64 gradient of those factors, then all are timed in one loop with
-the order rotating between repetitions (``do_bench`` medians), next to the GEMM they replace.
+[--shape M H I] [--commit SHA]``. For each shape (bf16), every launch shape below (cooperative and
+ping-pong) and the Triton kernel overwrite the same saved factors (restored by a copy before each
+launch, whose time is subtracted); each is checked against the float64 gradient of those factors,
+then all are timed in one loop with the order rotating between repetitions (``do_bench`` medians),
+next to the GEMM they replace.
 """
 
 from __future__ import annotations
@@ -16,16 +17,26 @@ import per_shape
 import torch
 from triton.testing import do_bench
 
-from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
-from fused_swiglu.kernels.glu_backward_ws import CONFIGS, WSConfig, glu_backward_ws_
+from fused_swiglu.kernels.glu_backward_ws import (
+    CONFIGS,
+    PING_PONG,
+    PingPongConfig,
+    WSConfig,
+    glu_backward_ws_,
+)
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.layout import CHUNK
 from fused_swiglu.testing import make_problem, relative_error
 
 SWEPT = {
-    "chosen": CONFIGS[Saved.FACTORS],
+    "cooperative": CONFIGS[Saved.FACTORS],
+    "ping-pong": PING_PONG,
+    "ping-pong, group 16": PingPongConfig(group_m=16),
+    "ping-pong, [64, 256] tiles": PingPongConfig(
+        block_m=64, block_n=256, stages=4, pieces=16, saved_buffers=6
+    ),
     "pieces 8, buffers 4": WSConfig(pieces=8, saved_buffers=4),
     "pieces 8, buffers 4, lag 2": WSConfig(pieces=8, saved_buffers=4, store_lag=2),
     "pieces 16, buffers 8, lag 3": WSConfig(store_lag=3),
@@ -34,8 +45,8 @@ SWEPT = {
 }
 
 
-def run_shape(name: str, reps: int) -> list[dict]:
-    m, hidden, inter = SHAPES[name]
+def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
+    m, hidden, inter = shape
     p = make_problem(m, hidden, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     _, pristine = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
     da = p.dy.double() @ p.w_down.double()

@@ -3,9 +3,10 @@
 Run on the GPU: ``python benchmarks/ws_kernels.py [--shapes NAME ...] [--reps N] [--out F] [--commit SHA]``.
 Per benchmark shape (bf16): the forward for each save mode (GEMM: x @ W_packed^T) and the backward
 for saved factors and pre-activations (GEMM: dY @ W_down; the saved tensor is restored by a copy
-before each launch, and the copy's time is subtracted). Every kernel's outputs are compared with the
-Triton kernel's (relative difference); then the GEMM and both kernels of each family are timed in
-one loop, the order rotating between repetitions (``do_bench`` medians).
+before each launch, and the copy's time is subtracted), the backward in each of its launch shapes
+(cooperative; ping-pong for saved factors) whichever the library would pick there. Every kernel's
+outputs are compared with the Triton kernel's (relative difference); then the GEMM and every kernel
+of a family are timed in one loop, the order rotating between repetitions (``do_bench`` medians).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import per_shape
 import torch
 from triton.testing import do_bench
 
-from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
-from fused_swiglu.kernels.glu_backward_ws import glu_backward_ws_
+from fused_swiglu.kernels.glu_backward_ws import CONFIGS, PING_PONG, glu_backward_ws_
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.kernels.glu_forward_ws import glu_forward_ws
 from fused_swiglu.testing import make_problem, relative_error
@@ -50,7 +50,12 @@ def backward_family(p, kind: Saved):
 
         return run
 
-    kernels = {"triton": restored(glu_backward_), "warp-specialized": restored(glu_backward_ws_)}
+    kernels = {"triton": restored(glu_backward_)}
+    launches = {"cooperative": CONFIGS[kind]} | ({"ping-pong": PING_PONG} if kind == Saved.FACTORS else {})
+    for label, config in launches.items():
+        kernels[f"ws {label}"] = restored(
+            lambda *args, config=config, **kw: glu_backward_ws_(*args, config=config, **kw)
+        )
 
     def outputs(fn):
         recomputed = fn()
@@ -60,8 +65,8 @@ def backward_family(p, kind: Saved):
     return (lambda: torch.mm(p.dy, p.w_down)), kernels, outputs, copy_ms
 
 
-def run_shape(name: str, reps: int) -> list[dict]:
-    m, hidden, inter = SHAPES[name]
+def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
+    m, hidden, inter = shape
     p = make_problem(m, hidden, inter, dtype=torch.bfloat16, device="cuda", seed=1)
     families = {f"forward {s.name}": forward_family(p, s) for s in Saved}
     families |= {f"backward {k.name}": backward_family(p, k) for k in (Saved.FACTORS, Saved.PREACT)}

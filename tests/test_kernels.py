@@ -15,7 +15,14 @@ from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
-from fused_swiglu.kernels.glu_backward_ws import WSConfig, glu_backward_ws_
+from fused_swiglu.kernels.glu_backward_ws import (
+    CONFIGS,
+    PING_PONG,
+    PING_PONG_MAX_HIDDEN,
+    WSConfig,
+    backward_config,
+    glu_backward_ws_,
+)
 from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.kernels.glu_forward_ws import WSForwardConfig, glu_forward_ws
 from fused_swiglu.kernels.glu_split import glu_backward_split_, glu_forward_split
@@ -23,15 +30,28 @@ from fused_swiglu.layout import CHUNK, split_packed_columns
 from fused_swiglu.testing import make_problem, relative_error, unit_roundoff
 
 MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id="mult0.7-1.3")]
+
+
+def _backward_launch(pick):
+    """The Gluon backward with the launch shape ``pick(kind)`` (None: the library's choice)."""
+    return lambda *args, kind, **kwargs: glu_backward_ws_(*args, kind=kind, config=pick(kind), **kwargs)
+
+
 # Three implementations of one contract: the fused Triton kernels, the warp-specialized Gluon ones
-# (Hopper GPUs, 16-bit), and cuBLAS GEMMs with in-place SwiGLU passes (what fp32 runs on a GPU).
+# (Hopper GPUs, 16-bit), and cuBLAS GEMMs with in-place SwiGLU passes (what fp32 runs on a GPU). The
+# Gluon backward has two launch shapes, each tested whatever the shape would pick.
 FORWARDS = {"fused": glu_forward, "warp-specialized": glu_forward_ws, "split": glu_forward_split}
-BACKWARDS = {"fused": glu_backward_, "warp-specialized": glu_backward_ws_, "split": glu_backward_split_}
+BACKWARDS = {
+    "fused": glu_backward_,
+    "warp-specialized cooperative": _backward_launch(CONFIGS.get),
+    "warp-specialized ping-pong": _backward_launch(lambda kind: PING_PONG),
+    "split": glu_backward_split_,
+}
 
 
 def skip_unless_runs(impl, device, dtype):
     """The Gluon kernels run on an sm_90 GPU, in bf16/fp16, with the Triton release they were tested with."""
-    if impl != "warp-specialized":
+    if not impl.startswith("warp-specialized"):
         return
     if device.type != "cuda" or not hopper_ws.AVAILABLE:
         pytest.skip("the warp-specialized kernels need a Hopper GPU and Triton 3.6")
@@ -82,6 +102,8 @@ def test_forward_kernel(shape, dtype, device, save, multipliers, impl):
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 @pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
 def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, kind, multipliers, impl):
+    if impl.endswith("ping-pong") and kind == Saved.PREACT:
+        pytest.skip("the ping-pong launch reads saved factors only")
     skip_unless_runs(impl, device, dtype)
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
@@ -132,6 +154,15 @@ def test_warp_specialized_kernels_are_chosen_where_they_run():
     assert not forward_is_warp_specialized(4096, bf16, True, Saved.NOTHING, True)
 
 
+def test_backward_launch_shape_follows_the_hidden_size():
+    """Ping-pong where the epilogue is a large share of a tile (small hidden sizes), saved factors only."""
+    assert backward_config(Saved.FACTORS, PING_PONG_MAX_HIDDEN) is PING_PONG
+    assert backward_config(Saved.FACTORS, 896) is PING_PONG
+    assert backward_config(Saved.FACTORS, PING_PONG_MAX_HIDDEN + 8) is CONFIGS[Saved.FACTORS]
+    assert backward_config(Saved.PREACT, 896) is CONFIGS[Saved.PREACT]
+    assert backward_config(Saved.PREACT, 4096) is CONFIGS[Saved.PREACT]
+
+
 @pytest.mark.parametrize(
     "make, changes",
     [
@@ -156,20 +187,31 @@ def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations
         glu_backward_ws_(
             p.dy, p.w_down, saved, kind=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=WSConfig()
         )
+    with pytest.raises(ValueError, match="saved factors only"):
+        glu_backward_ws_(
+            p.dy, p.w_down, saved, kind=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=PING_PONG
+        )
     with pytest.raises(ValueError, match="saved factors or pre-activations"):
         glu_backward_ws_(p.dy, p.w_down, saved, kind=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
 
 
 @pytest.mark.skipif(not hopper_ws.AVAILABLE, reason="the Gluon kernels need Triton 3.6")
-@pytest.mark.parametrize("family", ["forward", "backward"])
-@pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_warp_specialized_launchers_pass_every_kernel_argument(family, save, monkeypatch):
+@pytest.mark.parametrize(
+    "name, save, config",
+    [
+        ("_glu_forward_ws_kernel", Saved.NOTHING, None),
+        ("_glu_forward_ws_kernel", Saved.FACTORS, None),
+        ("_glu_forward_ws_kernel", Saved.PREACT, None),
+        ("_glu_backward_ws_kernel", Saved.FACTORS, CONFIGS[Saved.FACTORS]),
+        ("_glu_backward_ws_kernel", Saved.PREACT, None),
+        ("_glu_backward_pp_kernel", Saved.FACTORS, None),  # a small hidden size picks ping-pong
+    ],
+    ids=lambda v: v.name if isinstance(v, Saved) else v if isinstance(v, str) else None,
+)
+def test_warp_specialized_launchers_pass_every_kernel_argument(name, save, config, monkeypatch):
     """Each launcher hands its kernel exactly the kernel's parameters (checked on any machine: the
     launch is intercepted, so no GPU is needed), plus the register limit."""
-    if family == "backward" and save == Saved.NOTHING:
-        pytest.skip("the backward reads something saved")
-    module = glu_forward_ws_mod if family == "forward" else glu_backward_ws_mod
-    name = "_glu_forward_ws_kernel" if family == "forward" else "_glu_backward_ws_kernel"
+    module = glu_forward_ws_mod if "forward" in name else glu_backward_ws_mod
     kernel, launches = getattr(module, name), []
 
     class Intercepted:
@@ -178,11 +220,11 @@ def test_warp_specialized_launchers_pass_every_kernel_argument(family, save, mon
 
     monkeypatch.setattr(module, name, Intercepted())
     p = make_problem(300, 64, 512, dtype=torch.bfloat16, device=torch.device("cpu"))
-    if family == "forward":
+    if module is glu_forward_ws_mod:
         glu_forward_ws(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)
     else:
         saved = torch.zeros(300, 1024, dtype=torch.bfloat16)
-        glu_backward_ws_(p.dy, p.w_down, saved, kind=save, gate_scale=0.7, out_scale=1.3)
+        glu_backward_ws_(p.dy, p.w_down, saved, kind=save, gate_scale=0.7, out_scale=1.3, config=config)
     [(grid, args, kwargs)] = launches
     assert grid == (3,)  # persistent: three programs on CPU (the interpreter's count)
     # The positional arguments fill the kernel's first parameters, the keywords all the others

@@ -11,6 +11,12 @@ the saved piece in shared memory and store it from there by TMA.
 In the Triton kernel the warps that multiply also issue every load and wait for each saved piece at
 the start of the epilogue; here they issue none. On the H200 that measured faster than the Triton
 kernel at every benchmark shape (docs/benchmarks/NOTES.md, items 30 and 32).
+
+Two launch shapes. Cooperative: both consumer warpgroups work on one [128, 256] tile, so the tensor
+cores idle while they run its epilogue. Ping-pong (saved factors): each consumer warpgroup owns whole
+[128, 128] tiles, alternate ones, and the two take turns at the main loop, so one's epilogue runs
+while the other multiplies. The epilogue's share of a tile grows as the hidden size shrinks, and
+so does what ping-pong gains (item 33).
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from . import hopper_ws as ws
-from .common import Saved, empty
+from .common import Saved, empty, persistent_programs
 from .hopper_ws import AVAILABLE, gluon_descriptor
 
 if AVAILABLE:
@@ -49,10 +56,54 @@ class WSConfig(ws.WSLaunch):
 #: half the saved buffers are handed to ``a``.
 CONFIGS = {Saved.FACTORS: WSConfig(), Saved.PREACT: WSConfig(saved_buffers=4, a_buffers=4)}
 
+
+@dataclass(frozen=True)
+class PingPongConfig(WSConfig):
+    """The ping-pong launch shape (saved factors): two consumer warpgroups, one [128, 128] tile each,
+    the epilogue in 8 pieces of [128, 32] saved columns; 5 stages (160 KB) and 4 saved buffers per
+    consumer (64 KB). Partitions: consumer 0 (the default, 4 warps), consumer 1 (4 warps), the operand
+    loader and one saved-tile loader per consumer (1 warp each)."""
+
+    block_n: int = 128
+    stages: int = 5
+    pieces: int = 8
+    saved_buffers: int = 4
+    # Registers per thread of consumer 1, a worker partition (consumer 0 gets the same).
+    consumer_regs: int = 232
+
+    def programs(self, m: int, inter: int, device: torch.device) -> int:
+        # Each program runs two tiles at a time.
+        tiles = triton.cdiv(m, self.block_m) * triton.cdiv(inter, self.block_n)
+        return persistent_programs(triton.cdiv(tiles, 2), device)
+
+    def meta(self) -> dict:
+        return super().meta() | {"CONSUMER_REGS": self.consumer_regs, "num_warps": 4}
+
+
+#: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch. On the H200
+#: (NOTES.md item 33, raw/pp-*.log) the kernel alone was 16-18% faster than the cooperative one at
+#: qwen2.5-0.5b (hidden 896); at the 7-8B shapes (hidden 3584 and 4096) it was 3% faster to 5% slower
+#: depending on the shape, so those keep the cooperative launch.
+PING_PONG_MAX_HIDDEN = 2048
+PING_PONG = PingPongConfig()
+
+
+def backward_config(kind: Saved, hidden: int) -> WSConfig:
+    """The launch shape for this kind of saved tensor and hidden size."""
+    if kind == Saved.FACTORS and hidden <= PING_PONG_MAX_HIDDEN:
+        return PING_PONG
+    return CONFIGS[kind]
+
+
 if AVAILABLE:
 
     @gluon.jit
-    def _saved_loader(s_desc, saved, problem, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    def _saved_loader(
+        s_desc, saved, problem, BN: gl.constexpr, GROUP_M: gl.constexpr, FIRST: gl.constexpr,
+        STEP: gl.constexpr
+    ):  # fmt: skip
+        """The saved pieces of tiles ``pid + (FIRST + STEP * n) * nprog``: every tile of this program for
+        one consumer group (0, 1), or every other one starting at FIRST for two (FIRST, 2)."""
         s_bufs, s_ready, s_free = saved
         M, N, K, pid, nprog = problem
         BM: gl.constexpr = s_desc.block_type.shape[0]
@@ -61,7 +112,7 @@ if AVAILABLE:
         num_m = gl.cdiv(M, BM)
         num_n = gl.cdiv(N, BN)
         g = 0
-        for tile in range(pid, num_m * num_n, nprog):
+        for tile in range(pid + FIRST * nprog, num_m * num_n, STEP * nprog):
             i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
             for p in gl.static_range(BN // W):
                 idx = g % NSAVED
@@ -120,22 +171,41 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumers(
-        s_desc, a_desc, ring, saved, a_bufs, problem, gate_scale, out_scale, BN: gl.constexpr,
-        GROUP_M: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, num_warps: gl.constexpr
+        s_desc, a_desc, ring, saved, a_bufs, turns, problem, gate_scale, out_scale, BN: gl.constexpr,
+        GROUP_M: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, FIRST: gl.constexpr,
+        STEP: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
+        """One consumer group's tiles, ``pid + (FIRST + STEP * n) * nprog`` (see ``_saved_loader``).
+
+        The operand loader fills the ring with every tile of the program in order, so the program's
+        t-th tile starts at ring position t * num_k. ``turns`` is None for one group; for two it is
+        (mine, other): a group starts the main loop of the program's tile t once the other has
+        finished the main loop of tile t - 1, and hands the turn over when its own is done.
+        Taking turns is what overlaps one group's epilogue with the other's main loop. It also keeps
+        every wait on a ring slot at most one phase ahead of the loader: a parity wait on a slot
+        whose barrier is two phases behind reads as complete (untaken turns crashed the kernel).
+        """
         M, N, K, pid, nprog = problem
         BM: gl.constexpr = s_desc.block_type.shape[0]
+        BK: gl.constexpr = ring[0].type.shape[2]
         W: gl.constexpr = s_desc.block_type.shape[1] // 2
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
         )
         num_m = gl.cdiv(M, BM)
         num_n = gl.cdiv(N, BN)
-        j = 0
+        num_k = gl.cdiv(K, BK)
         g = 0
-        for tile in range(pid, num_m * num_n, nprog):
+        for tile in range(pid + FIRST * nprog, num_m * num_n, STEP * nprog):
             i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
-            acc, j = ws.mainloop(ring, gl.zeros([BM, BN], gl.float32, mma_layout), j, K, False)
+            t = (tile - pid) // nprog  # the program's t-th tile
+            if turns is not None:
+                # The other group has taken (t + 1) // 2 turns before tile t (tile 0 waits for none):
+                # wait for that many phases of ``mine`` to complete.
+                mbarrier.wait(turns[0], ((t + 1) // 2 + 1) & 1, pred=t > 0)
+            acc, _ = ws.mainloop(ring, gl.zeros([BM, BN], gl.float32, mma_layout), t * num_k, K, False)
+            if turns is not None:
+                mbarrier.arrive(turns[1], count=1)
             # y carries the down multiplier, so dA does too
             pieces = ws.split_pieces(acc * out_scale, BN // W)
             for p in gl.static_range(BN // W):
@@ -171,6 +241,7 @@ if AVAILABLE:
                         ring,
                         saved,
                         a_bufs,
+                        None,
                         problem,
                         gate_scale,
                         out_scale,
@@ -178,15 +249,56 @@ if AVAILABLE:
                         GROUP_M,
                         LAG,
                         CHUNK_,
+                        0,
+                        1,
                         num_warps,
                     ),
                 ),  # fmt: skip
                 (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
-                (_saved_loader, (s_desc, saved, problem, BN, GROUP_M)),
+                (_saved_loader, (s_desc, saved, problem, BN, GROUP_M, 0, 1)),
             ],
             [1, 1],
             [WORKER_REGS, WORKER_REGS],
         )
+
+    @gluon.jit
+    def _glu_backward_pp_kernel(
+        dy_desc, wd_desc, s_desc, M, N, K, out_scale, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        NSAVED: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, WORKER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr
+    ):  # fmt: skip
+        """Saved factors, two consumer groups of ``num_warps`` warps taking turns (ping-pong)."""
+        BN: gl.constexpr = wd_desc.block_type.shape[1]
+        ring = ws.ring_buffers(dy_desc, wd_desc, STAGES)
+        s_shape: gl.constexpr = [NSAVED] + s_desc.block_type.shape
+        s0 = gl.allocate_shared_memory(s_desc.dtype, s_shape, s_desc.layout)
+        s1 = gl.allocate_shared_memory(s_desc.dtype, s_shape, s_desc.layout)
+        saved0 = (s0, ws.barriers(NSAVED), ws.barriers(NSAVED))
+        saved1 = (s1, ws.barriers(NSAVED), ws.barriers(NSAVED))
+        turns = ws.barriers(2)
+        problem = (M, N, K, gl.program_id(0), gl.num_programs(0))
+        turn0 = (turns.index(0), turns.index(1))
+        turn1 = (turns.index(1), turns.index(0))
+        # gate_scale (1.0 here) is already in the saved factors.
+        gl.warp_specialize(
+            [
+                (
+                    _consumers,
+                    (s_desc, None, ring, saved0, s0, turn0, problem, 1.0, out_scale, BN, GROUP_M, LAG, CHUNK_,
+                     0, 2, num_warps),
+                ),
+                (
+                    _consumers,
+                    (s_desc, None, ring, saved1, s1, turn1, problem, 1.0, out_scale, BN, GROUP_M, LAG, CHUNK_,
+                     1, 2, num_warps),
+                ),
+                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
+                (_saved_loader, (s_desc, saved0, problem, BN, GROUP_M, 0, 2)),
+                (_saved_loader, (s_desc, saved1, problem, BN, GROUP_M, 1, 2)),
+            ],
+            [num_warps, 1, 1, 1],
+            [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS],
+        )  # fmt: skip
 
 
 def glu_backward_ws_(
@@ -208,15 +320,26 @@ def glu_backward_ws_(
         raise ValueError(f"the backward kernel reads saved factors or pre-activations, got {kind!r}")
     m, hidden = dy.shape
     inter = w_down.shape[1]
-    c = config or CONFIGS[kind]
+    c = config or backward_config(kind, hidden)
+    if kind == Saved.PREACT and isinstance(c, PingPongConfig):
+        raise ValueError("the ping-pong launch reads saved factors only")
     if kind == Saved.PREACT and not c.a_buffers:
         raise ValueError("saved pre-activations need a_buffers for the recomputed a")
     width = c.piece_width
-    a = empty((m, inter), dy) if kind == Saved.PREACT else None
-    _glu_backward_ws_kernel[(c.programs(m, inter, dy.device),)](
+    descriptors = (
         gluon_descriptor(dy, [c.block_m, c.block_k]),
         gluon_descriptor(w_down, [c.block_k, c.block_n]),
         gluon_descriptor(saved, [c.block_m, 2 * width]),
+    )
+    grid = (c.programs(m, inter, dy.device),)
+    if isinstance(c, PingPongConfig):
+        _glu_backward_pp_kernel[grid](
+            *descriptors, m, inter, hidden, float(out_scale), NSAVED=c.saved_buffers, **c.meta()
+        )
+        return None
+    a = empty((m, inter), dy) if kind == Saved.PREACT else None
+    _glu_backward_ws_kernel[grid](
+        *descriptors,
         None if a is None else gluon_descriptor(a, [c.block_m, width]),
         m,
         inter,
