@@ -81,10 +81,12 @@ class PingPongConfig(WSConfig):
 
 
 #: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch. On the H200
-#: (NOTES.md item 33, raw/pp-*.log) the kernel alone was 16-18% faster than the cooperative one at
-#: qwen2.5-0.5b (hidden 896); at the 7-8B shapes (hidden 3584 and 4096) it was 3% faster to 5% slower
-#: depending on the shape, so those keep the cooperative launch.
-PING_PONG_MAX_HIDDEN = 2048
+#: (NOTES.md item 33; raw/pp-drafts-41a62f0.log, raw/pp-sweep-e85f6df.log, raw/pp-ab-e85f6df.log) the
+#: kernel alone was faster than the cooperative launch at every shape measured with hidden 896 to
+#: 3584: by 0.5-16% in three runs at the benchmark shapes, 2-6% at three more; the step by 0.1-1.8%
+#: (one run). At hidden 4096 it was faster at llama2-7b in all three runs but slower at llama3-8b in
+#: two of three, and the step 2% slower there, so 4096 and above keep the cooperative launch.
+PING_PONG_MAX_HIDDEN = 3584
 PING_PONG = PingPongConfig()
 
 
