@@ -68,7 +68,7 @@ class PingPongConfig(WSConfig):
     stages: int = 5
     pieces: int = 8
     saved_buffers: int = 4
-    # Registers per thread of consumer 1, a worker partition (consumer 0 gets the same).
+    # Registers per thread of consumer 1, a worker partition (consumer 0 is the default partition).
     consumer_regs: int = 232
 
     def programs(self, m: int, inter: int, device: torch.device) -> int:
