@@ -4,9 +4,10 @@ kernels in its CUDA graphs. The fake implementations give the output's shape and
 running anything.
 
 Training under ``torch.compile`` does not come here: its backward overwrites what the forward kept,
-in place, and refuses a second walk through Python state on the autograd node. A compiled graph would
-need its own machinery for both (declared mutations that the compiler must not undo with copies, and a
-guard that survives tracing), so functional.py runs training eagerly behind a graph break.
+in place, and refuses a second walk through Python state on the autograd node. Declared as a custom
+op's mutation instead, the overwrite stays safe, but the compiled backward copies the kept tensor
+before mutating it, which costs the memory the in-place design saves (NOTES.md item 34), so
+functional.py runs training eagerly behind a graph break.
 """
 
 from __future__ import annotations
