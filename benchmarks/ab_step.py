@@ -16,7 +16,7 @@ experiments, each over the five benchmark shapes and the GLU operator at (11136,
 - ``ping-pong-factors`` / ``-recompute``: the MLP step with the Gluon backward (saved factors) in
   each of its launch shapes, cooperative and ping-pong, at every shape.
 
-``--shape M H I`` adds an MLP shape to every experiment.
+``--shapes NAME ...`` picks benchmark shapes and ``--shape M H I`` adds one, for every experiment.
 
 Per problem, the floor and every variant are timed in one loop (``do_bench`` median per repetition,
 the order rotating between repetitions), so the ratios compare runs taken side by side.
@@ -42,7 +42,7 @@ from fused_swiglu.bench.glu import GLUFloor
 from fused_swiglu.bench.impls import GemmFloor
 from fused_swiglu.bench.measure import peak_mib
 from fused_swiglu.bench.report import provenance
-from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 from fused_swiglu.functional import LINEAR_SAVE_MODES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.nn import SwiGLULinear, SwiGLUMLP
@@ -177,10 +177,9 @@ def variant(context, step):
     return run
 
 
-def problems(save: str, glu: bool = True, extra: tuple = ()):
-    """(label, floor, library step, leaves): the MLP shapes (the benchmark's, then ``extra``), then the
-    GLU operator if it has ``save``."""
-    shapes = SHAPES | {f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in extra}
+def problems(save: str, shapes: dict, glu: bool = True):
+    """(label, floor, library step, leaves): the MLP at ``shapes``, then the GLU operator if it has
+    ``save``."""
     for name, (m, h, i) in shapes.items():
         torch.manual_seed(0)
         module = SwiGLUMLP(h, i, save=save, device="cuda", dtype=torch.bfloat16)
@@ -200,10 +199,10 @@ def problems(save: str, glu: bool = True, extra: tuple = ()):
     yield "glu M11136-H3584-I14336", floor, lambda: glu(x).backward(da), [x, glu.gate_up_proj]
 
 
-def run_experiment(name: str, reps: int, extra: tuple = ()) -> list[dict]:
+def run_experiment(name: str, reps: int, shapes: dict) -> list[dict]:
     save, variants = EXPERIMENTS[name]
     rows = []
-    for label, floor, step, leaves in problems(save, glu=name not in MLP_ONLY, extra=extra):
+    for label, floor, step, leaves in problems(save, shapes, glu=name not in MLP_ONLY):
         fns = {"floor": floor.step}
         fns |= {f"floor {p}": floor_step_beside(floor, p) for p in FLOOR_PLACEMENTS.get(name, ())}
         fns |= {v: variant(ctx, step) for v, ctx in variants.items()}
@@ -249,15 +248,13 @@ def main() -> int:
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--only", choices=sorted(EXPERIMENTS), action="append", help="run only these experiments")
-    ap.add_argument(
-        "--shape", type=int, nargs=3, action="append", default=[], metavar=("M", "HIDDEN", "INTERMEDIATE")
-    )
+    add_shape_arguments(ap)
     args = ap.parse_args()
     meta = provenance(args.commit)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
     rows: list[dict] = []
     for name in args.only or list(EXPERIMENTS):
-        rows += run_experiment(name, args.reps, tuple(map(tuple, args.shape)))
+        rows += run_experiment(name, args.reps, chosen_shapes(args))
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

@@ -9,33 +9,22 @@ import json
 from collections.abc import Callable
 
 from fused_swiglu.bench.report import provenance
-from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 
 def main(
     run_shape: Callable[[str, tuple[int, int, int], int], list[dict]], default_out: str, description: str
 ) -> int:
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument(
-        "--shape",
-        type=int,
-        nargs=3,
-        action="append",
-        default=[],
-        metavar=("M", "HIDDEN", "INTERMEDIATE"),
-        help="an extra shape; repeatable",
-    )
+    add_shape_arguments(ap)
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     ap.add_argument("--out", default=default_out)
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
     meta = provenance(args.commit)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
-    shapes = {name: SHAPES[name] for name in args.shapes}
-    shapes |= {f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape}
     rows = []
-    for name, shape in shapes.items():
+    for name, shape in chosen_shapes(args).items():
         rows += run_shape(name, shape, args.reps)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

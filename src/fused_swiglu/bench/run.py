@@ -27,7 +27,8 @@ SHAPES = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--shapes NAME ...`` (benchmark shapes) and ``--shape M H I`` (repeatable extra shapes)."""
     parser.add_argument(
         "--shapes",
         nargs="*",
@@ -45,6 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("M", "HIDDEN", "INTER"),
         help="an extra shape; repeatable",
     )
+
+
+def chosen_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int, int]]:
+    """The named shapes, then the extra ones (named ``M{m}-H{h}-I{i}``), from ``add_shape_arguments``."""
+    return {name: SHAPES[name] for name in args.shapes} | {
+        f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_shape_arguments(parser)
     parser.add_argument(
         "--impls",
         nargs="*",
@@ -87,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.glu and len(args.glu) != 3:
         print(f"--glu takes M H I (three integers) or nothing, got {args.glu}")
         return 2
-    shapes = {name: SHAPES[name] for name in args.shapes}
-    shapes.update({f"M{m}-H{h}-I{i}": (m, h, i) for m, h, i in args.shape})
+    shapes = chosen_shapes(args)
     meta = provenance(args.commit) | {"dtype": args.dtype}
     dtype = DTYPES[args.dtype]
     print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit'][:12]}")
