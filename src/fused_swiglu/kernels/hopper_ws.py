@@ -4,9 +4,10 @@ shuffles, the operand loader partition and the consumers' main loop, and host TM
 Every warp-specialized kernel here has the same shape. Each persistent program splits its warps into
 an operand loader (one warp: TMA copies of both GEMM operands into a ring of ``STAGES`` slots,
 running ahead across tiles, held back only by slots not yet released), one or two more single-warp
-partitions of its own (loading saved tiles, or storing results), and the consumers (the default
-partition, two warpgroups: wgmma over the ring, then the epilogue). The consumers issue no operand
-loads, so the next tile's operands are in flight while they run an epilogue.
+partitions of its own (loading saved tiles, or storing results), and the consumers (wgmma over the
+ring, then the epilogue): the default partition's two warpgroups on one tile, or, in a ping-pong
+launch, two one-warpgroup partitions on alternate tiles taking turns at the main loop. The consumers
+issue no operand loads, so the next tile's operands are in flight while they run an epilogue.
 
 The partitions share shared memory passed as tuples: the ring is (A slots, B slots, "ready" barriers,
 "free" barriers); the problem is (M, N, K, program id, number of programs). Tile sizes are read from
