@@ -11,6 +11,7 @@ of a family are timed in one loop, the order rotating between repetitions (``do_
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 
@@ -53,9 +54,7 @@ def backward_family(p, kind: Saved):
     kernels = {"triton": restored(glu_backward_)}
     launches = {"cooperative": CONFIGS[kind]} | ({"ping-pong": PING_PONG} if kind == Saved.FACTORS else {})
     for label, config in launches.items():
-        kernels[f"ws {label}"] = restored(
-            lambda *args, config=config, **kw: glu_backward_ws_(*args, config=config, **kw)
-        )
+        kernels[f"ws {label}"] = restored(functools.partial(glu_backward_ws_, config=config))
 
     def outputs(fn):
         recomputed = fn()

@@ -24,10 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import hopper_ws as ws
-from .common import Saved, empty, persistent_programs
+from .common import Saved, empty
 from .hopper_ws import AVAILABLE, gluon_descriptor
 
 if AVAILABLE:
@@ -58,26 +57,16 @@ CONFIGS = {Saved.FACTORS: WSConfig(), Saved.PREACT: WSConfig(saved_buffers=4, a_
 
 
 @dataclass(frozen=True)
-class PingPongConfig(WSConfig):
-    """The ping-pong launch shape (saved factors): two consumer warpgroups, one [128, 128] tile each,
-    the epilogue in 8 pieces of [128, 32] saved columns; 5 stages (160 KB) and 4 saved buffers per
-    consumer (64 KB). Partitions: consumer 0 (the default, 4 warps), consumer 1 (4 warps), the operand
-    loader and one saved-tile loader per consumer (1 warp each)."""
+class PingPongConfig(ws.PingPongLaunch, WSConfig):
+    """The ping-pong launch shape (saved factors): one [128, 128] tile per consumer warpgroup, the
+    epilogue in 8 pieces of [128, 32] saved columns; 5 stages (160 KB) and 4 saved buffers per
+    consumer (64 KB). Besides the two consumers, the operand loader and one saved-tile loader per
+    consumer (1 warp each)."""
 
     block_n: int = 128
     stages: int = 5
     pieces: int = 8
     saved_buffers: int = 4
-    # Registers per thread of consumer 1, a worker partition (consumer 0 is the default partition).
-    consumer_regs: int = 232
-
-    def programs(self, m: int, inter: int, device: torch.device) -> int:
-        # Each program runs two tiles at a time.
-        tiles = triton.cdiv(m, self.block_m) * triton.cdiv(inter, self.block_n)
-        return persistent_programs(triton.cdiv(tiles, 2), device)
-
-    def meta(self) -> dict:
-        return super().meta() | {"CONSUMER_REGS": self.consumer_regs, "num_warps": 4}
 
 
 #: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch. On the H200
@@ -218,6 +207,12 @@ if AVAILABLE:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _saved_staging(s_desc, NSAVED: gl.constexpr):
+        """NSAVED buffers for saved pieces with their "ready" and "free" barriers."""
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSAVED] + s_desc.block_type.shape, s_desc.layout)
+        return s_bufs, ws.barriers(NSAVED), ws.barriers(NSAVED)
+
+    @gluon.jit
     def _glu_backward_ws_kernel(
         dy_desc, wd_desc, s_desc, a_desc, M, N, K, gate_scale, out_scale, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, NSAVED: gl.constexpr, NA: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr,
@@ -226,12 +221,11 @@ if AVAILABLE:
         """``a_desc`` is None for saved factors (nothing to recompute), ``a``'s descriptor for [u | g]."""
         BN: gl.constexpr = wd_desc.block_type.shape[1]
         ring = ws.ring_buffers(dy_desc, wd_desc, STAGES)
-        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [NSAVED] + s_desc.block_type.shape, s_desc.layout)
-        saved = (s_bufs, ws.barriers(NSAVED), ws.barriers(NSAVED))
+        saved = _saved_staging(s_desc, NSAVED)
         if a_desc is not None:
             a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NA] + a_desc.block_type.shape, a_desc.layout)
         else:
-            a_bufs = s_bufs  # unused
+            a_bufs = saved[0]  # unused: nothing to recompute (a partition argument cannot be None)
         problem = (M, N, K, gl.program_id(0), gl.num_programs(0))
         gl.warp_specialize(
             [
@@ -272,27 +266,25 @@ if AVAILABLE:
         """Saved factors, two consumer groups of ``num_warps`` warps taking turns (ping-pong)."""
         BN: gl.constexpr = wd_desc.block_type.shape[1]
         ring = ws.ring_buffers(dy_desc, wd_desc, STAGES)
-        s_shape: gl.constexpr = [NSAVED] + s_desc.block_type.shape
-        s0 = gl.allocate_shared_memory(s_desc.dtype, s_shape, s_desc.layout)
-        s1 = gl.allocate_shared_memory(s_desc.dtype, s_shape, s_desc.layout)
-        saved0 = (s0, ws.barriers(NSAVED), ws.barriers(NSAVED))
-        saved1 = (s1, ws.barriers(NSAVED), ws.barriers(NSAVED))
+        saved0 = _saved_staging(s_desc, NSAVED)
+        saved1 = _saved_staging(s_desc, NSAVED)
         turns = ws.barriers(2)
         problem = (M, N, K, gl.program_id(0), gl.num_programs(0))
         turn0 = (turns.index(0), turns.index(1))
         turn1 = (turns.index(1), turns.index(0))
-        # gate_scale (1.0 here) is already in the saved factors.
+        # gate_scale (1.0 here) is already in the saved factors; the saved buffers stand in for the unused
+        # a buffers.
         gl.warp_specialize(
             [
                 (
                     _consumers,
-                    (s_desc, None, ring, saved0, s0, turn0, problem, 1.0, out_scale, BN, GROUP_M, LAG, CHUNK_,
-                     0, 2, num_warps),
+                    (s_desc, None, ring, saved0, saved0[0], turn0, problem, 1.0, out_scale, BN, GROUP_M, LAG,
+                     CHUNK_, 0, 2, num_warps),
                 ),
                 (
                     _consumers,
-                    (s_desc, None, ring, saved1, s1, turn1, problem, 1.0, out_scale, BN, GROUP_M, LAG, CHUNK_,
-                     1, 2, num_warps),
+                    (s_desc, None, ring, saved1, saved1[0], turn1, problem, 1.0, out_scale, BN, GROUP_M, LAG,
+                     CHUNK_, 1, 2, num_warps),
                 ),
                 (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
                 (_saved_loader, (s_desc, saved0, problem, BN, GROUP_M, 0, 2)),

@@ -227,6 +227,22 @@ class WSLaunch:
         }
 
 
+@dataclass(frozen=True)
+class PingPongLaunch(WSLaunch):
+    """A ping-pong launch shape: two consumer partitions of one warpgroup each (consumer 0 is the
+    default partition) on alternate tiles, so a program runs two tiles at a time."""
+
+    # Registers per thread of consumer 1, a worker partition.
+    consumer_regs: int = 232
+
+    def programs(self, m: int, inter: int, device: torch.device) -> int:
+        tiles = triton.cdiv(m, self.block_m) * triton.cdiv(inter, self.block_n)
+        return persistent_programs(triton.cdiv(tiles, 2), device)
+
+    def meta(self) -> dict:
+        return super().meta() | {"CONSUMER_REGS": self.consumer_regs, "num_warps": 4}
+
+
 @functools.cache
 def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The swizzled shared layout of a TMA tile: a few per launch, the same ones every launch."""
