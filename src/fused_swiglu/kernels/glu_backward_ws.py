@@ -57,7 +57,7 @@ CONFIGS = {Saved.FACTORS: WSConfig(), Saved.PREACT: WSConfig(saved_buffers=4, a_
 
 
 @dataclass(frozen=True)
-class PingPongConfig(ws.PingPongLaunch, WSConfig):
+class PingPongConfig(WSConfig, ws.PingPongLaunch):
     """The ping-pong launch shape (saved factors): one [128, 128] tile per consumer warpgroup, the
     epilogue in 8 pieces of [128, 32] saved columns; 5 stages (160 KB) and 4 saved buffers per
     consumer (64 KB). Besides the two consumers, the operand loader and one saved-tile loader per

@@ -230,7 +230,11 @@ class WSLaunch:
 @dataclass(frozen=True)
 class PingPongLaunch(WSLaunch):
     """A ping-pong launch shape: two consumer partitions of one warpgroup each (consumer 0 is the
-    default partition) on alternate tiles, so a program runs two tiles at a time."""
+    default partition) on alternate tiles, so a program runs two tiles at a time.
+
+    Combine it after a kernel's own config class (``class C(KernelConfig, PingPongLaunch)``): as a
+    dataclass it carries every ``WSLaunch`` field with ``WSLaunch``'s default, and a base listed
+    before the kernel's class would put those defaults back over the kernel's own."""
 
     # Registers per thread of consumer 1, a worker partition.
     consumer_regs: int = 232
