@@ -163,6 +163,11 @@ def test_backward_launch_shape_follows_the_hidden_size():
     assert backward_config(Saved.PREACT, 4096) is CONFIGS[Saved.PREACT]
 
 
+def test_ping_pong_launch_runs_two_tiles_a_program_on_one_warpgroup_each():
+    assert PING_PONG.meta()["num_warps"] == 4 and CONFIGS[Saved.FACTORS].meta()["num_warps"] == 8
+    assert PING_PONG.programs(128 * 3, 128, torch.device("cpu")) == 2  # three tiles, two a program
+
+
 @pytest.mark.parametrize(
     "make, changes",
     [
