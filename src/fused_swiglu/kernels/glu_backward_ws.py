@@ -73,8 +73,9 @@ class PingPongConfig(WSConfig, ws.PingPongLaunch):
 #: (NOTES.md item 33; raw/pp-drafts-41a62f0.log, raw/pp-sweep-e85f6df.log, raw/pp-ab-e85f6df.log) the
 #: kernel alone was faster than the cooperative launch at every shape measured with hidden 896 to
 #: 3584: by 0.5-16% in three runs at the benchmark shapes, 2-6% at three more; the step by 0.1-1.8%
-#: (one run). At hidden 4096 it was faster at llama2-7b in all three runs but slower at llama3-8b in
-#: two of three, and the step 2% slower there, so 4096 and above keep the cooperative launch.
+#: (one run). At hidden 4096 it was faster at llama2-7b in all four runs, by 0.3-0.4% of the step in
+#: two; at llama3-8b the kernel was faster in two runs of four and the step 2% slower in one run and
+#: 1.2% faster in another (raw/ab-pp4096-c69e360.log), so 4096 and above keep the cooperative launch.
 PING_PONG_MAX_HIDDEN = 3584
 PING_PONG = PingPongConfig()
 
