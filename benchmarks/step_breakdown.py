@@ -1,0 +1,172 @@
+"""Where a training step's time goes: every GPU kernel of the library's step beside the floor's six GEMMs.
+
+Run on the GPU: ``python benchmarks/step_breakdown.py [--saves factors preact] [--glu] [--shapes ...]
+[--shape M H I] --out breakdown.json``.
+
+The step over the floor (``ab_step.py``, ``bench``) says how much slower the library is, not where:
+in its own kernels, in the cuBLAS GEMMs it leaves to cuBLAS (another algorithm for the packed
+gradient's layout, a colder L2), in extra kernels, or in idle time between kernels. Here each step
+and the floor run under ``torch.profiler`` for ``--steps`` steps, in alternating rounds; every
+kernel's device duration is taken from the trace, and each position of the step's launch sequence
+gets the median over all steps. The two sequences are paired position by position when they have
+the same length (the MLP with saved factors or pre-activations: the fused forward, the down GEMM,
+the fused backward, dW_down, dX, dW_gate_up). The step's wall time (``do_bench``, the same rotation)
+minus the sum of its kernels is the time the GPU sat idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from ab_step import problems
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
+
+#: Trace categories that occupy the GPU: kernels, and the memsets/copies a step might add.
+DEVICE_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
+NAME_WIDTH = 44
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its argument list, cut to fit a table column."""
+    base = name.split("(")[0].strip()
+    return base if len(base) <= NAME_WIDTH else base[: NAME_WIDTH - 3] + "..."
+
+
+def device_events(trace: dict) -> list[tuple[float, str, float]]:
+    """(start us, name, duration us) of every GPU activity in a Chrome trace, in start order."""
+    events = [
+        (float(e["ts"]), e["name"], float(e["dur"]))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
+    ]
+    return sorted(events)
+
+
+def per_step(events: list[tuple[float, str, float]], steps: int) -> list[list[tuple[str, float]]]:
+    """The launch sequence of each of ``steps`` identical steps: [(name, duration us)] per step.
+
+    Raises ``ValueError`` when the events do not split into ``steps`` sequences with the same kernel
+    names, position by position: then the steps differ and a position-wise median would mix kernels.
+    """
+    if steps < 1 or len(events) % steps:
+        raise ValueError(f"{len(events)} GPU activities do not split into {steps} steps")
+    k = len(events) // steps
+    seqs = [[(name, dur) for _, name, dur in events[s * k : (s + 1) * k]] for s in range(steps)]
+    names = [n for n, _ in seqs[0]]
+    for s, seq in enumerate(seqs[1:], 1):
+        if [n for n, _ in seq] != names:
+            raise ValueError(f"step {s} launches other kernels than step 0")
+    return seqs
+
+
+def profiled_steps(fn, leaves: list[torch.Tensor], steps: int) -> list[list[tuple[str, float]]]:
+    """Run ``fn`` ``steps`` times under the profiler (gradients reset before each, so no
+    accumulation kernel joins the step) and return each step's kernels."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for leaf in leaves:
+                leaf.grad = None
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return per_step(device_events(trace), steps)
+
+
+def median_sequence(rounds: list[list[list[tuple[str, float]]]]) -> list[tuple[str, float]]:
+    """Position by position, the median duration over every step of every round."""
+    steps = [seq for r in rounds for seq in r]
+    return [(steps[0][i][0], statistics.median(seq[i][1] for seq in steps)) for i in range(len(steps[0]))]
+
+
+def print_pair(floor: list[tuple[str, float]], step: list[tuple[str, float]]) -> None:
+    """The two launch sequences side by side when they pair up, one after the other otherwise."""
+    w = NAME_WIDTH
+    if len(floor) == len(step):
+        print(
+            f"  {'#':>2}  {'floor kernel':<{w}} {'us':>9}   {'library kernel':<{w}} {'us':>9} {'diff us':>9}"
+        )
+        for i, ((fn, fd), (sn, sd)) in enumerate(zip(floor, step, strict=True)):
+            print(
+                f"  {i:>2}  {short_name(fn):<{w}} {fd:9.1f}   {short_name(sn):<{w}} {sd:9.1f} {sd - fd:+9.1f}"
+            )
+        return
+    for title, seq in (("floor", floor), ("library", step)):
+        print(f"  {title} kernels:")
+        for i, (n, d) in enumerate(seq):
+            print(f"  {i:>2}  {short_name(n):<{w}} {d:9.1f}")
+
+
+def breakdown(label: str, floor, step, leaves, steps: int, reps: int) -> dict:
+    fns = {"floor": floor.step, "library": step}
+    for fn in fns.values():  # compile, tune and warm up outside the measurement
+        for leaf in leaves:
+            leaf.grad = None
+        fn()
+    rounds: dict[str, list] = {v: [] for v in fns}
+    wall: dict[str, list[float]] = {v: [] for v in fns}
+    order = list(fns)
+    for rep in range(reps):
+        for v in order[rep % 2 :] + order[: rep % 2]:
+            rounds[v].append(profiled_steps(fns[v], leaves if v == "library" else [], steps))
+            wall[v].append(do_bench(fns[v], warmup=10, rep=100, grad_to_none=leaves))
+    seqs = {v: median_sequence(r) for v, r in rounds.items()}
+    ms = {v: statistics.median(w) for v, w in wall.items()}
+    busy = {v: sum(d for _, d in seqs[v]) / 1e3 for v in fns}
+    print(f"\n== {label}")
+    for v in fns:
+        print(
+            f"  {v:<8} step {ms[v]:8.3f} ms  kernels {busy[v]:8.3f} ms  idle {ms[v] - busy[v]:+7.3f} ms"
+            f"  ({ms[v] / ms['floor']:.3f}x the floor)"
+        )
+    print_pair(seqs["floor"], seqs["library"])
+    return {
+        "problem": label,
+        "step_ms": ms,
+        "kernels_ms": busy,
+        "kernels": {v: [{"name": n, "us": d} for n, d in s] for v, s in seqs.items()},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--saves", nargs="+", default=["factors"], choices=["factors", "preact", "recompute"])
+    ap.add_argument("--glu", action="store_true", help="also the GLU operator at (11136, 3584, 14336)")
+    ap.add_argument("--steps", type=int, default=10, help="profiled steps per round")
+    ap.add_argument("--reps", type=int, default=4, help="rounds per implementation, alternating")
+    ap.add_argument("--out", default="breakdown.json")
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    add_shape_arguments(ap)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("step_breakdown needs a CUDA GPU: it reads kernel times from the profiler's CUDA trace")
+        return 1
+    meta = provenance(args.commit)
+    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    rows = []
+    for save in args.saves:
+        for label, floor, step, leaves in problems(save, chosen_shapes(args), glu=args.glu):
+            rows.append(
+                {"save": save}
+                | breakdown(f"{label} (save={save})", floor, step, leaves, args.steps, args.reps)
+            )
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
