@@ -11,7 +11,9 @@ kernel's device duration is taken from the trace, and each position of the step'
 gets the median over all steps. The two sequences are paired position by position when they have
 the same length (the MLP with saved factors or pre-activations: the fused forward, the down GEMM,
 the fused backward, dW_down, dX, dW_gate_up). The step's wall time (``do_bench``, the same rotation)
-minus the sum of its kernels is the time the GPU sat idle.
+minus the sum of its kernels is the time the GPU sat idle; ``do_bench`` clears the L2 cache before
+each call where the profiled steps run back to back, so that difference also carries the colder
+cache of the first kernel, and can come out slightly negative.
 """
 
 from __future__ import annotations
