@@ -85,12 +85,29 @@ def profiled_steps(fn, leaves: list[torch.Tensor], steps: int) -> list[list[tupl
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    return per_step(device_events(trace), steps)
+    events = device_events(trace)
+    try:
+        return per_step(events, steps)
+    except ValueError as e:  # steps that differ are a finding to print, not a crash
+        print(f"  note: {e}; kernels summed by name instead of by position", flush=True)
+        return [by_name([[(name, dur / steps) for _, name, dur in events]])]
+
+
+def by_name(seqs: list[list[tuple[str, float]]]) -> list[tuple[str, float]]:
+    """Each kernel name's time per sequence, averaged over the sequences, in first-launch order."""
+    totals: dict[str, float] = {}
+    for seq in seqs:
+        for name, dur in seq:
+            totals[name] = totals.get(name, 0.0) + dur / len(seqs)
+    return list(totals.items())
 
 
 def median_sequence(rounds: list[list[list[tuple[str, float]]]]) -> list[tuple[str, float]]:
-    """Position by position, the median duration over every step of every round."""
+    """Position by position, the median duration over every step of every round; by name when the
+    steps' launch sequences differ."""
     steps = [seq for r in rounds for seq in r]
+    if any([n for n, _ in seq] != [n for n, _ in steps[0]] for seq in steps):
+        return by_name(steps)
     return [(steps[0][i][0], statistics.median(seq[i][1] for seq in steps)) for i in range(len(steps[0]))]
 
 

@@ -54,3 +54,8 @@ def test_short_name_drops_arguments_and_fits_the_column(breakdown):
     long = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute"
     assert len(breakdown.short_name(long)) == breakdown.NAME_WIDTH
     assert breakdown.short_name(long).endswith("...")
+
+
+def test_median_sequence_sums_by_name_when_steps_differ(breakdown):
+    rounds = [[[("fwd", 4.0), ("gemm", 6.0)]], [[("fwd", 2.0), ("copy", 1.0), ("gemm", 8.0)]]]
+    assert breakdown.median_sequence(rounds) == [("fwd", 3.0), ("gemm", 7.0), ("copy", 0.5)]
