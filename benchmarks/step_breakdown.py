@@ -1,7 +1,9 @@
 """Where a training step's time goes: every GPU kernel of the library's step beside the floor's six GEMMs.
 
 Run on the GPU: ``python benchmarks/step_breakdown.py [--saves factors preact] [--glu] [--shapes ...]
-[--shape M H I] --out breakdown.json``.
+[--shape M H I] [--variants EXPERIMENT:VARIANT ...] --out breakdown.json``. ``--variants`` adds the
+library step inside variants of ``ab_step.py``'s experiments (a launch shape forced, say), each
+beside the floor, so a step A/B can be read kernel by kernel.
 
 The step over the floor (``ab_step.py``, ``bench``) says how much slower the library is, not where:
 in its own kernels, in the cuBLAS GEMMs it leaves to cuBLAS (another algorithm for the packed
@@ -26,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from ab_step import problems
+from ab_step import EXPERIMENTS, MLP_ONLY, problems, variant
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
@@ -129,8 +131,9 @@ def print_pair(floor: list[tuple[str, float]], step: list[tuple[str, float]]) ->
             print(f"  {i:>2}  {short_name(n):<{w}} {d:9.1f}")
 
 
-def breakdown(label: str, floor, step, leaves, steps: int, reps: int) -> dict:
-    fns = {"floor": floor.step, "library": step}
+def breakdown(label: str, fns: dict, leaves, steps: int, reps: int) -> dict:
+    """Profile and time the floor (``fns["floor"]``) and each library step of ``fns``, the order
+    rotating between rounds, and print every library step's kernels beside the floor's."""
     for fn in fns.values():  # compile, tune and warm up outside the measurement
         for leaf in leaves:
             leaf.grad = None
@@ -139,19 +142,22 @@ def breakdown(label: str, floor, step, leaves, steps: int, reps: int) -> dict:
     wall: dict[str, list[float]] = {v: [] for v in fns}
     order = list(fns)
     for rep in range(reps):
-        for v in order[rep % 2 :] + order[: rep % 2]:
-            rounds[v].append(profiled_steps(fns[v], leaves if v == "library" else [], steps))
+        for v in order[rep % len(order) :] + order[: rep % len(order)]:
+            rounds[v].append(profiled_steps(fns[v], [] if v == "floor" else leaves, steps))
             wall[v].append(do_bench(fns[v], warmup=10, rep=100, grad_to_none=leaves))
     seqs = {v: median_sequence(r) for v, r in rounds.items()}
     ms = {v: statistics.median(w) for v, w in wall.items()}
     busy = {v: sum(d for _, d in seqs[v]) / 1e3 for v in fns}
     print(f"\n== {label}")
+    width = max(map(len, fns))
     for v in fns:
         print(
-            f"  {v:<8} step {ms[v]:8.3f} ms  kernels {busy[v]:8.3f} ms  idle {ms[v] - busy[v]:+7.3f} ms"
+            f"  {v:<{width}} step {ms[v]:8.3f} ms  kernels {busy[v]:8.3f} ms  idle {ms[v] - busy[v]:+7.3f} ms"
             f"  ({ms[v] / ms['floor']:.3f}x the floor)"
         )
-    print_pair(seqs["floor"], seqs["library"])
+    for v in order[1:]:
+        print(f"  -- {v}")
+        print_pair(seqs["floor"], seqs[v])
     return {
         "problem": label,
         "step_ms": ms,
@@ -166,10 +172,22 @@ def main() -> int:
     ap.add_argument("--glu", action="store_true", help="also the GLU operator at (11136, 3584, 14336)")
     ap.add_argument("--steps", type=int, default=10, help="profiled steps per round")
     ap.add_argument("--reps", type=int, default=4, help="rounds per implementation, alternating")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        metavar="EXPERIMENT:VARIANT",
+        help="also the library step inside these ab_step.py variants (e.g. ping-pong-factors:ping-pong), "
+        "at each problem the experiment applies to",
+    )
     ap.add_argument("--out", default="breakdown.json")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     add_shape_arguments(ap)
     args = ap.parse_args()
+    variants = [tuple(v.split(":", 1)) for v in args.variants]
+    for v in variants:
+        if len(v) != 2 or v[0] not in EXPERIMENTS or v[1] not in EXPERIMENTS[v[0]][1]:
+            ap.error(f"unknown variant {':'.join(v)}; see ab_step.py's EXPERIMENTS")
     if not torch.cuda.is_available():
         print("step_breakdown needs a CUDA GPU: it reads kernel times from the profiler's CUDA trace")
         return 1
@@ -178,9 +196,13 @@ def main() -> int:
     rows = []
     for save in args.saves:
         for label, floor, step, leaves in problems(save, chosen_shapes(args), glu=args.glu):
+            fns = {"floor": floor.step, "library": step}
+            for name, var in variants:
+                mlp_only = name in MLP_ONLY and not label.startswith("mlp")
+                if EXPERIMENTS[name][0] == save and not mlp_only:
+                    fns[f"{name}:{var}"] = variant(EXPERIMENTS[name][1][var], step)
             rows.append(
-                {"save": save}
-                | breakdown(f"{label} (save={save})", floor, step, leaves, args.steps, args.reps)
+                {"save": save} | breakdown(f"{label} (save={save})", fns, leaves, args.steps, args.reps)
             )
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
