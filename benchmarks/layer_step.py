@@ -107,7 +107,7 @@ def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.
 
 def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int) -> dict:
     _, hidden, inter = m_hidden_inter
-    heads, kv_heads = HEADS.get(name, (hidden // 128, hidden // 128))
+    heads, kv_heads = HEADS[name]
     factory = {"device": "cuda", "dtype": torch.bfloat16}
     torch.manual_seed(0)
     layer, rotary = decoder_layer(hidden, inter, heads, kv_heads, seq, **factory)
