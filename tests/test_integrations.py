@@ -96,6 +96,45 @@ def test_module_under_torch_compile(device, save, backend):
         assert torch.equal(compiled(x), expected[0])
 
 
+@pytest.mark.parametrize("save", SAVES)
+def test_compiled_training_after_dynamo_gave_up_on_a_call(device, save):
+    """After an error while tracing a call (a caught shape mismatch in inference), Dynamo runs that
+    frame eagerly from then on but still compiles the frames it calls. A later compiled training step
+    must run the library as the eager step does, with none of its internals compiled."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from fused_swiglu import autograd, dispatch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = SwiGLUMLP(40, 72, save=save, device=device)
+    x = torch.randn(2, 37, 40, device=device, requires_grad=True)
+    bad = torch.compile(
+        lambda x: swiglu_mlp(x, module.gate_up_proj, module.down_proj.weight[:, :64]), backend="eager"
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match="down weight"):  # raised while tracing
+        bad(x)
+
+    def step(fn):
+        for t in (x, *module.parameters()):
+            t.grad = None
+        y = fn(x)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), x.grad, module.gate_up_proj.grad, module.down_proj.weight.grad]
+
+    expected = step(module)
+    got = step(torch.compile(module, backend="eager"))
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    for internal in (
+        dispatch.mlp_2d,
+        autograd.SwiGLUMLPFunction.forward,
+        autograd.SwiGLUMLPFunction.backward,
+    ):
+        assert not _debug_get_cache_entry_list(internal.__code__), internal.__qualname__
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
 def test_inference_compiles_without_a_graph_break(device, backend, grad_off):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 from typing import Literal
 
 import torch
@@ -110,14 +111,28 @@ def _needs_autograd(*args) -> bool:
 
 def _graph_break_if_training(fn):
     """Under torch.compile, a call that records a backward runs ``fn`` eagerly behind one graph break
-    (ops.py says why); anything else is traced. The check is made per call because
-    ``torch.compiler.disable`` imports Dynamo (about a second) and only a compiling caller needs it."""
+    (ops.py says why); anything else is traced.
+
+    A call that runs eagerly while Dynamo is loaded runs ``fn`` with Dynamo off as well. It may come
+    from a frame Dynamo gave up on: after an error while tracing a frame (a caught shape error, say),
+    Dynamo runs that frame eagerly from then on but still compiles the frames it calls, and would
+    compile the library's internals one by one, kernel launchers and in-place backward included.
+    Dynamo is touched only once something has loaded it: importing it costs about a second, which an
+    eager user never pays."""
+    dynamo_off = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling() and _needs_autograd(*args):
-            return torch.compiler.disable(fn)(*args, **kwargs)
-        return fn(*args, **kwargs)
+        nonlocal dynamo_off
+        if torch.compiler.is_compiling():
+            if _needs_autograd(*args):
+                return torch.compiler.disable(fn)(*args, **kwargs)
+            return fn(*args, **kwargs)
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if dynamo_off is None:
+            dynamo_off = torch.compiler.disable(fn)
+        return dynamo_off(*args, **kwargs)
 
     return call
 
