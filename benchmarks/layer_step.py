@@ -1,5 +1,5 @@
 """A whole LLaMA decoder layer (attention, norms, residuals and the MLP), training step, with the fused MLP
-swapped in against transformers' own, eager and under ``torch.compile``.
+swapped in against transformers' own and Liger's, eager and under ``torch.compile``.
 
 Run on the GPU: ``python benchmarks/layer_step.py [--shapes llama3-8b ...] [--batch 4 --seq 2048]
 --out layer.json``. Needs transformers. A shape gives the hidden and intermediate sizes (and the
@@ -9,12 +9,13 @@ sequence.
 The MLP benchmark (``bench``) compares MLPs alone. A model compiled whole is another question: in
 training the fused MLP runs behind a graph break (README, Limits), so the compiler cannot fuse the
 RMSNorm before it or the residual add after it into neighbouring kernels, which it can do with the
-stock MLP. Here one ``LlamaDecoderLayer`` (SDPA attention) trains in four variants: transformers'
-layer and the same layer after ``swap_swiglu_mlps``, each eager and compiled. Every variant holds
-the same weights and gets the same input and output gradient, so their gradients must agree (the
-largest relative difference to the eager layer's, over the input and every parameter, is
-printed). Per variant: the fwd+bwd step (``do_bench`` medians, the order rotating between
-repetitions), the extra peak memory of a step, and the first call.
+stock MLP. Here one ``LlamaDecoderLayer`` (SDPA attention) trains as transformers' layer, the same
+layer after ``swap_swiglu_mlps``, and with Liger-Kernel's ``LigerSwiGLUMLP`` in place of its MLP
+where Liger is installed, each eager and compiled. Every variant holds the same weights and gets
+the same input and output gradient, so their gradients must agree (the largest relative difference
+to the eager layer's, over the input and every parameter, is printed). Per variant: the fwd+bwd
+step (``do_bench`` medians, the order rotating between repetitions), the extra peak memory of a
+step, and the first call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from triton.testing import do_bench
 
 from fused_swiglu import swap_swiglu_mlps
+from fused_swiglu.bench.impls import peer_module
 from fused_swiglu.bench.measure import peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
@@ -63,17 +65,21 @@ def decoder_layer(hidden: int, inter: int, heads: int, kv_heads: int, seq: int, 
 
 
 def variants(layer: torch.nn.Module, backend: str = "inductor") -> dict[str, torch.nn.Module]:
-    """The layer as given and with the fused MLP swapped in, each eager and compiled (own copies
-    of the same weights)."""
+    """The layer as given, with the fused MLP swapped in, and with Liger-Kernel's MLP where it is
+    installed, each eager and compiled (own copies of the same weights)."""
     fused = copy.deepcopy(layer)
     swapped = swap_swiglu_mlps(fused)
     if swapped != ["mlp"]:
         raise RuntimeError(f"expected to swap the layer's one MLP, swapped {swapped}")
-    return {
-        "transformers eager": layer,
-        "fused MLP eager": fused,
-        "transformers compiled": torch.compile(copy.deepcopy(layer), backend=backend),
-        "fused MLP compiled": torch.compile(copy.deepcopy(fused), backend=backend),
+    layers = {"transformers": layer, "fused MLP": fused}
+    liger = peer_module("liger", layer.mlp)
+    if isinstance(liger, str):
+        print(f"  Liger MLP: missing ({liger})")
+    else:
+        layers["Liger MLP"] = copy.deepcopy(layer)
+        layers["Liger MLP"].mlp = liger
+    return {f"{name} eager": mod for name, mod in layers.items()} | {
+        f"{name} compiled": torch.compile(copy.deepcopy(mod), backend=backend) for name, mod in layers.items()
     }
 
 

@@ -27,12 +27,8 @@ def test_every_variant_trains_to_the_same_gradients(layer_step, device):
     dy = torch.randn(batch, seq, hidden)
     pos = rotary(x, torch.arange(seq).expand(batch, seq))
     mods = layer_step.variants(layer, backend="eager")
-    assert list(mods) == [
-        "transformers eager",
-        "fused MLP eager",
-        "transformers compiled",
-        "fused MLP compiled",
-    ]
+    expected = {"transformers eager", "fused MLP eager", "transformers compiled", "fused MLP compiled"}
+    assert list(mods)[0] == "transformers eager" and expected <= set(mods)
     reference = None
     for name, mod in mods.items():
         x.grad = None
