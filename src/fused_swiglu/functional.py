@@ -26,8 +26,7 @@ MLP_SAVE_MODES = ("factors", "preact", "recompute")
 LINEAR_SAVE_MODES = ("factors", "recompute")
 # Over five full benchmark runs on the H200 the faster of the two at qwen2.5-0.5b (3-6%), slower at
 # llama2-7b (1-2%), within 1.7% either way elsewhere, with the same peak as "preact" (README,
-# docs/benchmarks/NOTES.md);
-# "preact" keeps a third less between the passes.
+# docs/benchmarks/NOTES.md); "preact" keeps a third less between the passes.
 DEFAULT_SAVE: SaveMode = "factors"
 
 
