@@ -12,10 +12,12 @@ and the floor run under ``torch.profiler`` for ``--steps`` steps, in alternating
 kernel's device duration is taken from the trace, and each position of the step's launch sequence
 gets the median over all steps. The two sequences are paired position by position when they have
 the same length (the MLP with saved factors or pre-activations: the fused forward, the down GEMM,
-the fused backward, dW_down, dX, dW_gate_up). The step's wall time (``do_bench``, the same rotation)
-minus the sum of its kernels is the time the GPU sat idle; ``do_bench`` clears the L2 cache before
-each call where the profiled steps run back to back, so that difference also carries the colder
-cache of the first kernel, and can come out slightly negative.
+the fused backward, dW_down, dX, dW_gate_up). CUDA events around the profiled steps give their
+wall time; less the sum of their kernels, that is the time the GPU sat idle between kernels. The
+``do_bench`` step time (the same rotation, the L2 cache cleared before each call, as in ``bench``)
+is printed beside it but not subtracted: on the H200 a step runs at the 700 W power cap with its SM
+clock near 1.5 of 1.98 GHz, so separate runs of the same kernels differ by a few percent
+(``raw/power-104212b.log``), and a difference of two runs would read that as idle time.
 """
 
 from __future__ import annotations
@@ -73,26 +75,30 @@ def per_step(events: list[tuple[float, str, float]], steps: int) -> list[list[tu
     return seqs
 
 
-def profiled_steps(fn, leaves: list[torch.Tensor], steps: int) -> list[list[tuple[str, float]]]:
+def profiled_steps(fn, leaves: list[torch.Tensor], steps: int) -> tuple[list[list[tuple[str, float]]], float]:
     """Run ``fn`` ``steps`` times under the profiler (gradients reset before each, so no
-    accumulation kernel joins the step) and return each step's kernels."""
+    accumulation kernel joins the step); return each step's kernels and the wall ms per step."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         for _ in range(steps):
             for leaf in leaves:
                 leaf.grad = None
             fn()
+        end.record()
         torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / steps
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
     events = device_events(trace)
     try:
-        return per_step(events, steps)
+        return per_step(events, steps), wall_ms
     except ValueError as e:  # steps that differ are a finding to print, not a crash
         print(f"  note: {e}; kernels summed by name instead of by position", flush=True)
-        return [by_name([[(name, dur / steps) for _, name, dur in events]])]
+        return [by_name([[(name, dur / steps) for _, name, dur in events]])], wall_ms
 
 
 def by_name(seqs: list[list[tuple[str, float]]]) -> list[tuple[str, float]]:
@@ -139,21 +145,25 @@ def breakdown(label: str, fns: dict, leaves, steps: int, reps: int) -> dict:
             leaf.grad = None
         fn()
     rounds: dict[str, list] = {v: [] for v in fns}
+    profiled: dict[str, list[float]] = {v: [] for v in fns}
     wall: dict[str, list[float]] = {v: [] for v in fns}
     order = list(fns)
     for rep in range(reps):
         for v in order[rep % len(order) :] + order[: rep % len(order)]:
-            rounds[v].append(profiled_steps(fns[v], [] if v == "floor" else leaves, steps))
+            seq, profiled_ms = profiled_steps(fns[v], [] if v == "floor" else leaves, steps)
+            rounds[v].append(seq)
+            profiled[v].append(profiled_ms)
             wall[v].append(do_bench(fns[v], warmup=10, rep=100, grad_to_none=leaves))
     seqs = {v: median_sequence(r) for v, r in rounds.items()}
     ms = {v: statistics.median(w) for v, w in wall.items()}
+    prof_ms = {v: statistics.median(w) for v, w in profiled.items()}
     busy = {v: sum(d for _, d in seqs[v]) / 1e3 for v in fns}
     print(f"\n== {label}")
     width = max(map(len, fns))
     for v in fns:
         print(
-            f"  {v:<{width}} step {ms[v]:8.3f} ms  kernels {busy[v]:8.3f} ms  idle {ms[v] - busy[v]:+7.3f} ms"
-            f"  ({ms[v] / ms['floor']:.3f}x the floor)"
+            f"  {v:<{width}} step {ms[v]:8.3f} ms ({ms[v] / ms['floor']:.3f}x the floor)  profiled"
+            f" {prof_ms[v]:8.3f} ms = kernels {busy[v]:8.3f} + idle {prof_ms[v] - busy[v]:+7.3f}"
         )
     for v in order[1:]:
         print(f"  -- {v}")
@@ -161,6 +171,7 @@ def breakdown(label: str, fns: dict, leaves, steps: int, reps: int) -> dict:
     return {
         "problem": label,
         "step_ms": ms,
+        "profiled_ms": prof_ms,
         "kernels_ms": busy,
         "kernels": {v: [{"name": n, "us": d} for n, d in s] for v, s in seqs.items()},
     }
