@@ -65,6 +65,17 @@ def decoder_layer(hidden: int, inter: int, heads: int, kv_heads: int, seq: int, 
     return layer, rotary
 
 
+def _drop_kernel_analysis_tracebacks(record: logging.LogRecord) -> bool:
+    """Dynamo's analysis of which tensors a user Triton kernel writes cannot parse Liger's SwiGLU
+    kernels (a float argument used as a tensor); it logs a traceback per kernel, then treats every
+    input as written, which is still correct. Those screens of text are about the peer, not the
+    measurement. (A filter on the logger, because torch resets the levels of its loggers.)"""
+    return not (
+        record.pathname.endswith("triton_kernel_wrap.py")
+        and record.getMessage().startswith("Encountered an exception in identify_")
+    )
+
+
 def variants(layer: torch.nn.Module, backend: str = "inductor") -> dict[str, torch.nn.Module]:
     """The layer as given, with the fused MLP swapped in, and with Liger-Kernel's MLP where it is
     installed, each eager and compiled (own copies of the same weights)."""
@@ -79,10 +90,7 @@ def variants(layer: torch.nn.Module, backend: str = "inductor") -> dict[str, tor
     else:
         layers["Liger MLP"] = copy.deepcopy(layer)
         layers["Liger MLP"].mlp = liger
-        # Dynamo's mutation analysis cannot parse Liger's SwiGLU kernels (a float argument used as a
-        # tensor), logs a traceback per kernel and then treats every input as mutated, which is
-        # still correct. Those screens of text are about the peer, not the measurement.
-        logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
+        logging.getLogger("torch._dynamo").addFilter(_drop_kernel_analysis_tracebacks)
     return {f"{name} eager": mod for name, mod in layers.items()} | {
         f"{name} compiled": torch.compile(copy.deepcopy(mod), backend=backend) for name, mod in layers.items()
     }

@@ -17,7 +17,7 @@ wall time; less the sum of their kernels, that is the time the GPU sat idle betw
 ``do_bench`` step time (the same rotation, the L2 cache cleared before each call, as in ``bench``)
 is printed beside it but not subtracted: on the H200 a step runs at the 700 W power cap with its SM
 clock near 1.5 of 1.98 GHz, so separate runs of the same kernels differ by a few percent
-(``raw/power-104212b.log``), and a difference of two runs would read that as idle time.
+(``raw/power-df4a6e4.log``), and a difference of two runs would read that as idle time.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ with the fused MLP swapped in, eager and compiled, give the same gradients, comp
 the packed gate/up gradient unpacked. On CPU through the interpreter, with Dynamo's eager backend."""
 
 import importlib
+import logging
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,17 @@ def test_gradients_with_other_names_are_refused(layer_step):
     assert layer_step.max_relative_difference(
         {"input": torch.ones(2) * 1.5, "w": torch.ones(2)}, g
     ) == pytest.approx(0.5)
+
+
+def test_the_log_filter_drops_only_the_kernel_analysis_tracebacks(layer_step):
+    def record(path, msg):
+        return logging.LogRecord("torch._dynamo", logging.WARNING, path, 1, msg, None, None)
+
+    wrap = "/site-packages/torch/_higher_order_ops/triton_kernel_wrap.py"
+    keep = layer_step._drop_kernel_analysis_tracebacks  # a logging filter: False drops
+    assert not keep(record(wrap, "Encountered an exception in identify_mutated_tensors, assuming ..."))
+    assert not keep(record(wrap, "Encountered an exception in identify_accessed_tensors, assuming ..."))
+    assert keep(record(wrap, "another warning"))
+    assert keep(
+        record("/site-packages/torch/_dynamo/convert_frame.py", "Encountered an exception in identify_x")
+    )
