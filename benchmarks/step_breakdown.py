@@ -10,9 +10,10 @@ in its own kernels, in the cuBLAS GEMMs it leaves to cuBLAS (another algorithm f
 gradient's layout, a colder L2), in extra kernels, or in idle time between kernels. Here each step
 and the floor run under ``torch.profiler`` for ``--steps`` steps, in alternating rounds; every
 kernel's device duration is taken from the trace, and each position of the step's launch sequence
-gets the median over all steps. The two sequences are paired position by position when they have
-the same length (the MLP with saved factors or pre-activations: the fused forward, the down GEMM,
-the fused backward, dW_down, dX, dW_gate_up). CUDA events around the profiled steps give their
+gets the median over all steps. The two sequences' kernels are paired position by position when
+they have as many (the MLP with saved factors or pre-activations: the fused forward, the down GEMM,
+the fused backward, dW_down, dX, dW_gate_up); the memsets cuBLAS issues before its GEMMs are summed
+apart. CUDA events around the profiled steps give their
 wall time; less the sum of their kernels, that is the time the GPU sat idle between kernels. The
 ``do_bench`` step time (the same rotation, the L2 cache cleared before each call, as in ``bench``)
 is printed beside it but not subtracted: on the H200 a step runs at the 700 W power cap with its SM
@@ -119,22 +120,29 @@ def median_sequence(rounds: list[list[list[tuple[str, float]]]]) -> list[tuple[s
     return [(steps[0][i][0], statistics.median(seq[i][1] for seq in steps)) for i in range(len(steps[0]))]
 
 
+def is_memset(name: str) -> bool:
+    """cuBLAS clears a few bytes before most of its GEMMs; those memsets are not kernels to pair."""
+    return name.startswith("Memset")
+
+
 def print_pair(floor: list[tuple[str, float]], step: list[tuple[str, float]]) -> None:
-    """The two launch sequences side by side when they pair up, one after the other otherwise."""
+    """The two launch sequences' kernels (memsets summed apart) side by side when they pair up, one
+    after the other otherwise."""
     w = NAME_WIDTH
-    if len(floor) == len(step):
-        print(
-            f"  {'#':>2}  {'floor kernel':<{w}} {'us':>9}   {'library kernel':<{w}} {'us':>9} {'diff us':>9}"
-        )
-        for i, ((fn, fd), (sn, sd)) in enumerate(zip(floor, step, strict=True)):
+    kernels = [[(n, d) for n, d in seq if not is_memset(n)] for seq in (floor, step)]
+    memsets = [sum(d for n, d in seq if is_memset(n)) for seq in (floor, step)]
+    if len(kernels[0]) == len(kernels[1]):
+        print(f"  {'#':>2}  {'floor kernel':<{w}} {'us':>9}   {'library kernel':<{w}} {'us':>9} {'ratio':>6}")
+        for i, ((fn, fd), (sn, sd)) in enumerate(zip(*kernels, strict=True)):
             print(
-                f"  {i:>2}  {short_name(fn):<{w}} {fd:9.1f}   {short_name(sn):<{w}} {sd:9.1f} {sd - fd:+9.1f}"
+                f"  {i:>2}  {short_name(fn):<{w}} {fd:9.1f}   {short_name(sn):<{w}} {sd:9.1f} {sd / fd:6.3f}"
             )
-        return
-    for title, seq in (("floor", floor), ("library", step)):
-        print(f"  {title} kernels:")
-        for i, (n, d) in enumerate(seq):
-            print(f"  {i:>2}  {short_name(n):<{w}} {d:9.1f}")
+    else:
+        for title, seq in zip(("floor", "library"), kernels, strict=True):
+            print(f"  {title} kernels:")
+            for i, (n, d) in enumerate(seq):
+                print(f"  {i:>2}  {short_name(n):<{w}} {d:9.1f}")
+    print(f"  memsets: floor {memsets[0]:.1f} us, library {memsets[1]:.1f} us")
 
 
 def breakdown(label: str, fns: dict, leaves, steps: int, reps: int) -> dict:

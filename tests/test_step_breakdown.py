@@ -59,3 +59,19 @@ def test_short_name_drops_arguments_and_fits_the_column(breakdown):
 def test_median_sequence_sums_by_name_when_steps_differ(breakdown):
     rounds = [[[("fwd", 4.0), ("gemm", 6.0)]], [[("fwd", 2.0), ("copy", 1.0), ("gemm", 8.0)]]]
     assert breakdown.median_sequence(rounds) == [("fwd", 3.0), ("gemm", 7.0), ("copy", 0.5)]
+
+
+def test_print_pair_pairs_kernels_and_sums_memsets_apart(breakdown, capsys):
+    floor = [("Memset", 1.0), ("gemm_a", 100.0), ("Memset", 2.0), ("gemm_b", 50.0)]
+    step = [("fused", 110.0), ("Memset", 1.0), ("gemm_b", 45.0)]
+    breakdown.print_pair(floor, step)
+    out = capsys.readouterr().out.splitlines()
+    assert "gemm_a" in out[1] and "fused" in out[1] and out[1].endswith("1.100")
+    assert out[2].count("gemm_b") == 2 and out[2].endswith("0.900")
+    assert out[3] == "  memsets: floor 3.0 us, library 1.0 us"
+
+
+def test_print_pair_lists_sequences_that_do_not_pair(breakdown, capsys):
+    breakdown.print_pair([("gemm", 10.0)], [("fused", 8.0), ("grad", 1.0)])
+    out = capsys.readouterr().out
+    assert "floor kernels:" in out and "library kernels:" in out and "ratio" not in out
