@@ -2,11 +2,13 @@
 back to back: is the step limited by the power cap rather than by cycles?
 
 Run on the GPU: ``python benchmarks/power_state.py [--shapes ...] [--impls ...] [--seconds 3]
---out power.json``. Needs ``nvidia-smi``. Each implementation is warmed up (compiled, tuned), then
-runs steps back to back for ``--seconds`` while ``nvidia-smi`` samples every 100 ms; the first
-and last samples are dropped (the loop starting and stopping). Per implementation and repetition
-(the order reversing between repetitions): ms per step from CUDA events around the loop, and the
-median SM clock and power with every throttle reason seen.
+[--variants EXPERIMENT:VARIANT ...] --out power.json``. Needs ``nvidia-smi``. ``--variants`` adds
+the fused step of the experiment's save mode inside variants of ``ab_step.py``'s experiments (a
+launch shape forced, say). Each implementation is warmed up (compiled, tuned), then runs steps back
+to back for ``--seconds`` while ``nvidia-smi`` samples every 100 ms; the first and last samples are
+dropped (the loop starting and stopping). Per implementation and repetition (the order reversing
+between repetitions): ms per step from CUDA events around the loop, and the median SM clock and
+power with every throttle reason seen.
 
 Why it matters: when a step runs at the power cap, the clock falls until the draw fits, so what
 costs time is energy per step, not cycles alone; and a kernel that draws more power slows the
@@ -24,8 +26,9 @@ import sys
 import time
 
 import torch
+from ab_step import EXPERIMENTS, variant
 
-from fused_swiglu.bench.impls import IMPL_NAMES, EagerSwiGLUMLP, build_impl
+from fused_swiglu.bench.impls import IMPL_NAMES, EagerSwiGLUMLP, Impl, build_impl
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
@@ -95,6 +98,13 @@ def main() -> int:
     ap.add_argument(
         "--impls", nargs="+", default=["floor", "fused-factors", "fused-preact", "eager", "liger"]
     )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        metavar="EXPERIMENT:VARIANT",
+        help="also the fused step inside these ab_step.py variants (e.g. ping-pong-factors:ping-pong)",
+    )
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default="power.json")
@@ -103,6 +113,10 @@ def main() -> int:
     unknown = sorted(set(args.impls) - set(IMPL_NAMES))
     if unknown:
         ap.error(f"unknown implementations {unknown}; choose from {list(IMPL_NAMES)}")
+    variants = [tuple(v.split(":", 1)) for v in args.variants]
+    for v in variants:
+        if len(v) != 2 or v[0] not in EXPERIMENTS or v[1] not in EXPERIMENTS[v[0]][1]:
+            ap.error(f"unknown variant {':'.join(v)}; see ab_step.py's EXPERIMENTS")
     if not torch.cuda.is_available():
         print("power_state needs a CUDA GPU and nvidia-smi")
         return 1
@@ -123,15 +137,23 @@ def main() -> int:
             for _ in range(2):  # compile and tune outside the sampling
                 impl.step()
             impls[name] = impl
+        for experiment, name in variants:
+            save, contexts = EXPERIMENTS[experiment]
+            base = build_impl(f"fused-{save}", reference, x, dy)
+            impl = Impl(f"{experiment}:{name}", base.forward, variant(contexts[name], base.step), base.params)
+            for _ in range(2):
+                impl.step()
+            impls[impl.name] = impl
         print(f"\n== {shape} (M {m}, hidden {hidden}, intermediate {inter})")
-        print(f"  {'impl':<14} {'ms/step':>8} {'SM MHz':>7} {'power W':>8}  throttle")
+        width = max(14, *map(len, impls))
+        print(f"  {'impl':<{width}} {'ms/step':>8} {'SM MHz':>7} {'power W':>8}  throttle")
         order = list(impls)
         for rep in range(args.reps):
             for name in order if rep % 2 == 0 else order[::-1]:
                 r = sample(impls[name].step, impls[name].params, args.seconds)
                 rows.append({"shape": shape, "impl": name, "rep": rep} | r)
                 print(
-                    f"  {name:<14} {r['ms_per_step']:8.3f} {r['sm_clock_mhz']:7.0f} {r['power_w']:8.1f}"
+                    f"  {name:<{width}} {r['ms_per_step']:8.3f} {r['sm_clock_mhz']:7.0f} {r['power_w']:8.1f}"
                     f"  {', '.join(r['throttle']) or 'none'}",
                     flush=True,
                 )
