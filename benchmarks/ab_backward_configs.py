@@ -15,10 +15,10 @@ import sys
 
 import torch
 import triton
-from triton.testing import do_bench
 
 import fused_swiglu.kernels.glu_backward as glu_backward
 from fused_swiglu.bench.impls import GemmFloor
+from fused_swiglu.bench.measure import median_ms
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.configs import TileConfig
 from fused_swiglu.nn import SwiGLUMLP
@@ -68,7 +68,7 @@ def main() -> int:
             names = list(fns)
             for rep in range(args.reps):
                 for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                    times[name].append(do_bench(fns[name], warmup=25, rep=200, grad_to_none=params))
+                    times[name].append(median_ms(fns[name], warmup=25, rep=200, grad_to_none=params))
             floor_ms = statistics.median(times["floor"])
             print(f"\n== {shape} M={m} H={h} I={i} save={save}: floor {floor_ms:.3f} ms", flush=True)
             for name, values in times.items():

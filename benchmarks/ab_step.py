@@ -33,14 +33,13 @@ import sys
 
 import torch
 from stream_variants import floor_step_beside, weight_grads_beside
-from triton.testing import do_bench
 
 import fused_swiglu.autograd as autograd_mod
 import fused_swiglu.kernels.glu_backward_ws as glu_backward_ws_mod
 import fused_swiglu.kernels.glu_forward as glu_forward_mod
 from fused_swiglu.bench.glu import GLUFloor
 from fused_swiglu.bench.impls import GemmFloor
-from fused_swiglu.bench.measure import peak_mib
+from fused_swiglu.bench.measure import median_ms, peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 from fused_swiglu.functional import LINEAR_SAVE_MODES
@@ -231,7 +230,7 @@ def run_experiment(name: str, reps: int, shapes: dict) -> list[dict]:
         order = list(fns)
         for rep in range(reps):
             for v in order[rep % len(order) :] + order[: rep % len(order)]:
-                times[v].append(do_bench(fns[v], warmup=25, rep=200, grad_to_none=leaves))
+                times[v].append(median_ms(fns[v], warmup=25, rep=200, grad_to_none=leaves))
         floor_ms = statistics.median(times["floor"])
         print(f"\n== {name} / {label} (save={save}): floor {floor_ms:.3f} ms", flush=True)
         for v, values in times.items():

@@ -19,10 +19,10 @@ import statistics
 import sys
 
 import torch
-from triton.testing import do_bench
 
 from fused_swiglu import SwiGLUMLP
 from fused_swiglu.bench.impls import GemmFloor
+from fused_swiglu.bench.measure import median_ms
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
@@ -87,9 +87,9 @@ def main() -> int:
         for rep in range(args.reps):
             for kind in ("random", "real") if rep % 2 == 0 else ("real", "random"):
                 f = floors[kind]
-                times.setdefault(("step", kind), []).append(do_bench(f.step, warmup=10, rep=100))
+                times.setdefault(("step", kind), []).append(median_ms(f.step, warmup=10, rep=100))
                 for gemm, fn in GEMMS.items():
-                    t = do_bench(lambda fn=fn, f=f: fn(f), warmup=5, rep=40)
+                    t = median_ms(lambda fn=fn, f=f: fn(f), warmup=5, rep=40)
                     times.setdefault((gemm, kind), []).append(t)
         ms = {key: statistics.median(v) for key, v in times.items()}
         print(f"  {'':<12} {'random ms':>10} {'real ms':>10} {'real/random':>12}")

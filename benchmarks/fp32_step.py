@@ -12,10 +12,9 @@ import argparse
 import statistics
 
 import torch
-from triton.testing import do_bench
 
 from fused_swiglu import swiglu_mlp
-from fused_swiglu.bench.measure import peak_mib
+from fused_swiglu.bench.measure import median_ms, peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import make_problem
@@ -43,7 +42,7 @@ def main(m: int, hidden: int, inter: int) -> None:
         times = {name: [] for name in fns}
         for _ in range(ROUNDS):
             for name, fn in fns.items():
-                times[name].append(do_bench(fn, warmup=10, rep=60))
+                times[name].append(median_ms(fn, warmup=10, rep=60))
         med = {name: statistics.median(t) for name, t in times.items()}
         eager = med["eager"]
         cells = [f"{n} {t:.3f} ms ({t / eager:.3f}x eager, peak +{peaks[n]:.0f} MiB)" for n, t in med.items()]

@@ -29,11 +29,10 @@ import sys
 import time
 
 import torch
-from triton.testing import do_bench
 
 from fused_swiglu import swap_swiglu_mlps
 from fused_swiglu.bench.impls import peer_module
-from fused_swiglu.bench.measure import peak_mib
+from fused_swiglu.bench.measure import median_ms, peak_mib
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.layout import unpack_gate_up
@@ -159,7 +158,7 @@ def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int) -> dic
     order = list(steps)
     for rep in range(reps):
         for v in order[rep % len(order) :] + order[: rep % len(order)]:
-            times[v].append(do_bench(steps[v], warmup=10, rep=200, grad_to_none=leaves(mods[v])))
+            times[v].append(median_ms(steps[v], warmup=10, rep=200, grad_to_none=leaves(mods[v])))
     ms = {v: statistics.median(t) for v, t in times.items()}
     base = ms["transformers compiled"]
     print(f"\n== {name} layer: batch {batch} x seq {seq}, hidden {hidden}, intermediate {inter}")

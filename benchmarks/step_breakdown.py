@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from ab_step import EXPERIMENTS, MLP_ONLY, problems, variant
 from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
+from fused_swiglu.bench.measure import median_ms
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
@@ -161,7 +161,7 @@ def breakdown(label: str, fns: dict, leaves, steps: int, reps: int) -> dict:
             seq, profiled_ms = profiled_steps(fns[v], [] if v == "floor" else leaves, steps)
             rounds[v].append(seq)
             profiled[v].append(profiled_ms)
-            wall[v].append(do_bench(fns[v], warmup=10, rep=100, grad_to_none=leaves))
+            wall[v].append(median_ms(fns[v], warmup=10, rep=100, grad_to_none=leaves))
     seqs = {v: median_sequence(r) for v, r in rounds.items()}
     ms = {v: statistics.median(w) for v, w in wall.items()}
     prof_ms = {v: statistics.median(w) for v, w in profiled.items()}

@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
+from fused_swiglu.bench.measure import median_ms
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig
@@ -62,7 +62,7 @@ DECODE_CANDIDATES = [
 
 
 def bench(fn, reps: int) -> float:
-    return statistics.median(triton.testing.do_bench(fn, warmup=25, rep=100) for _ in range(reps))
+    return statistics.median(median_ms(fn, warmup=25, rep=100) for _ in range(reps))
 
 
 def label(cfg: TileConfig) -> str:

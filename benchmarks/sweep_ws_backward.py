@@ -15,8 +15,8 @@ import sys
 
 import per_shape
 import torch
-from triton.testing import do_bench
 
+from fused_swiglu.bench.measure import median_ms
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_backward_ws import (
@@ -70,16 +70,16 @@ def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
         work.copy_(pristine)
         fn()
         errors[label] = relative_error(work, exact)
-    copy_ms = statistics.median(do_bench(lambda: work.copy_(pristine), warmup=25, rep=100) for _ in range(3))
+    copy_ms = statistics.median(median_ms(lambda: work.copy_(pristine), warmup=25, rep=100) for _ in range(3))
     gemm_ms = statistics.median(
-        do_bench(lambda: torch.mm(p.dy, p.w_down), warmup=25, rep=100) for _ in range(3)
+        median_ms(lambda: torch.mm(p.dy, p.w_down), warmup=25, rep=100) for _ in range(3)
     )
     times: dict[str, list[float]] = {label: [] for label in fns}
     order = list(fns)
     for rep in range(reps):
         for label in order[rep % len(order) :] + order[: rep % len(order)]:
             restore_and_run = lambda fn=fns[label]: (work.copy_(pristine), fn())  # noqa: E731
-            times[label].append(do_bench(restore_and_run, warmup=25, rep=100) - copy_ms)
+            times[label].append(median_ms(restore_and_run, warmup=25, rep=100) - copy_ms)
     print(f"\n{name} (M={m}, H={hidden}, I={inter}): cuBLAS dY @ W_down {gemm_ms:.3f} ms", flush=True)
     rows = []
     for label, values in times.items():

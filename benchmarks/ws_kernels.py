@@ -17,8 +17,8 @@ import sys
 
 import per_shape
 import torch
-from triton.testing import do_bench
 
+from fused_swiglu.bench.measure import median_ms
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_backward_ws import CONFIGS, PING_PONG, glu_backward_ws_
@@ -60,7 +60,7 @@ def backward_family(p, kind: Saved):
         recomputed = fn()
         return [work.clone()] + ([] if recomputed is None else [recomputed])
 
-    copy_ms = statistics.median(do_bench(lambda: work.copy_(pristine), warmup=25, rep=100) for _ in range(3))
+    copy_ms = statistics.median(median_ms(lambda: work.copy_(pristine), warmup=25, rep=100) for _ in range(3))
     return (lambda: torch.mm(p.dy, p.w_down)), kernels, outputs, copy_ms
 
 
@@ -80,7 +80,7 @@ def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
         order = list(fns)
         for rep in range(reps):
             for label in order[rep % len(order) :] + order[: rep % len(order)]:
-                times[label].append(do_bench(fns[label], warmup=25, rep=100) - subtract[label])
+                times[label].append(median_ms(fns[label], warmup=25, rep=100) - subtract[label])
         gemm_ms = statistics.median(times["cuBLAS GEMM"])
         print(f"  {family}: cuBLAS GEMM {gemm_ms:.3f} ms", flush=True)
         for label in kernels:

@@ -151,3 +151,13 @@ def test_inference_only_also_times_cuda_graph_replays(monkeypatch):
     lines = decode_table(rows, markdown=True, metric="graph_fwd").splitlines()
     assert "900.0 (0.90x)" in next(line for line in lines if line.startswith("| fused"))
     assert "capture failed" in next(line for line in lines if line.startswith("| peer"))
+
+
+def test_median_ms_asks_do_bench_for_the_median(monkeypatch):
+    """``do_bench`` returns the mean unless told otherwise; every benchmark times through this."""
+    from fused_swiglu.bench import measure
+
+    seen = {}
+    monkeypatch.setattr(measure, "do_bench", lambda fn, **kw: seen.update(kw) or 1.5)
+    assert measure.median_ms(lambda: None, warmup=3, rep=7, grad_to_none=["g"]) == 1.5
+    assert seen == {"warmup": 3, "rep": 7, "grad_to_none": ["g"], "return_mode": "median"}

@@ -20,6 +20,12 @@ from .impls import EagerSwiGLUMLP, Impl, build_impl
 MIB = 2**20
 
 
+def median_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, grad_to_none=None) -> float:
+    """``do_bench``'s median time of one call of ``fn``, in ms. Its default is the mean, which one
+    slow call (an allocator or clock hiccup) can move by percents."""
+    return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
 def _clear_grads(impl: Impl) -> None:
     for p in impl.params:
         p.grad = None
@@ -135,7 +141,7 @@ def measure_impls(
             if impl.name in replays:
                 metrics["graph_fwd_ms"] = (replays[impl.name], [])
             for metric, (fn, grads) in metrics.items():
-                t = do_bench(fn, warmup=25, rep=100, grad_to_none=grads or None, return_mode="median")
+                t = median_ms(fn, warmup=25, rep=100, grad_to_none=grads or None)
                 samples.setdefault((impl.name, metric), []).append(t)
         log(f"  timing repetition {rep + 1}/{reps} done")
     for (name, metric), values in samples.items():
