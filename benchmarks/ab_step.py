@@ -40,7 +40,7 @@ import fused_swiglu.kernels.glu_forward as glu_forward_mod
 from fused_swiglu.bench.glu import GLUFloor
 from fused_swiglu.bench.impls import GemmFloor
 from fused_swiglu.bench.measure import median_ms, peak_mib
-from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 from fused_swiglu.functional import LINEAR_SAVE_MODES
 from fused_swiglu.kernels.common import Saved
@@ -168,6 +168,26 @@ FLOOR_PLACEMENTS = {
 }
 
 
+def add_variants_argument(parser, what: str) -> None:
+    """``--variants EXPERIMENT:VARIANT ...``: ``what`` runs inside these variants too."""
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        metavar="EXPERIMENT:VARIANT",
+        help=f"also {what} inside these variants of EXPERIMENTS (e.g. ping-pong-factors:ping-pong)",
+    )
+
+
+def chosen_variants(parser, args) -> list[tuple[str, str]]:
+    """The (experiment, variant) pairs of ``--variants``; an unknown one is a usage error."""
+    variants = [tuple(v.split(":", 1)) for v in args.variants]
+    for v in variants:
+        if len(v) != 2 or v[0] not in EXPERIMENTS or v[1] not in EXPERIMENTS[v[0]][1]:
+            parser.error(f"unknown variant {':'.join(v)}; see ab_step.py's EXPERIMENTS")
+    return variants
+
+
 def variant(context, step):
     def run() -> None:
         with context():
@@ -254,7 +274,7 @@ def main() -> int:
     add_shape_arguments(ap)
     args = ap.parse_args()
     meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    print(provenance_header(meta))
     rows: list[dict] = []
     for name in args.only or list(EXPERIMENTS):
         rows += run_experiment(name, args.reps, chosen_shapes(args))

@@ -23,7 +23,7 @@ import torch
 from fused_swiglu import SwiGLUMLP
 from fused_swiglu.bench.impls import GemmFloor
 from fused_swiglu.bench.measure import median_ms
-from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 #: The floor's GEMMs that read a stand-in tensor, as in ``GemmFloor.step``.
@@ -69,7 +69,7 @@ def main() -> int:
         print("floor_data needs a CUDA GPU")
         return 1
     meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    print(provenance_header(meta))
     rows = []
     for shape, (m, hidden, inter) in chosen_shapes(args).items():
         torch.manual_seed(0)

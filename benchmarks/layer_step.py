@@ -33,7 +33,7 @@ import torch
 from fused_swiglu import swap_swiglu_mlps
 from fused_swiglu.bench.impls import peer_module
 from fused_swiglu.bench.measure import median_ms, peak_mib
-from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.layout import unpack_gate_up
 
@@ -189,7 +189,7 @@ def main() -> int:
         print("layer_step needs a CUDA GPU")
         return 1
     meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    print(provenance_header(meta))
     rows = []
     for name in args.shapes:
         rows.append(run_shape(name, SHAPES[name], args.batch, args.seq, args.reps))

@@ -8,7 +8,7 @@ import argparse
 import json
 from collections.abc import Callable
 
-from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 
@@ -22,7 +22,7 @@ def main(
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
     meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    print(provenance_header(meta))
     rows = []
     for name, shape in chosen_shapes(args).items():
         rows += run_shape(name, shape, args.reps)

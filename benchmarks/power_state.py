@@ -26,10 +26,10 @@ import sys
 import time
 
 import torch
-from ab_step import EXPERIMENTS, variant
+from ab_step import EXPERIMENTS, add_variants_argument, chosen_variants, variant
 
 from fused_swiglu.bench.impls import IMPL_NAMES, EagerSwiGLUMLP, Impl, build_impl
-from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 #: ``clocks_throttle_reasons.active`` bits (NVML's nvmlClocksEventReasons), the ones that slow a busy GPU.
@@ -98,13 +98,7 @@ def main() -> int:
     ap.add_argument(
         "--impls", nargs="+", default=["floor", "fused-factors", "fused-preact", "eager", "liger"]
     )
-    ap.add_argument(
-        "--variants",
-        nargs="+",
-        default=[],
-        metavar="EXPERIMENT:VARIANT",
-        help="also the fused step inside these ab_step.py variants (e.g. ping-pong-factors:ping-pong)",
-    )
+    add_variants_argument(ap, "the fused step of the experiment's save mode")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default="power.json")
@@ -113,15 +107,12 @@ def main() -> int:
     unknown = sorted(set(args.impls) - set(IMPL_NAMES))
     if unknown:
         ap.error(f"unknown implementations {unknown}; choose from {list(IMPL_NAMES)}")
-    variants = [tuple(v.split(":", 1)) for v in args.variants]
-    for v in variants:
-        if len(v) != 2 or v[0] not in EXPERIMENTS or v[1] not in EXPERIMENTS[v[0]][1]:
-            ap.error(f"unknown variant {':'.join(v)}; see ab_step.py's EXPERIMENTS")
+    variants = chosen_variants(ap, args)
     if not torch.cuda.is_available():
         print("power_state needs a CUDA GPU and nvidia-smi")
         return 1
     meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    print(provenance_header(meta))
     rows = []
     for shape, (m, hidden, inter) in chosen_shapes(args).items():
         torch.manual_seed(0)

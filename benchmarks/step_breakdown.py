@@ -31,11 +31,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from ab_step import EXPERIMENTS, MLP_ONLY, problems, variant
+from ab_step import EXPERIMENTS, MLP_ONLY, add_variants_argument, chosen_variants, problems, variant
 from torch.profiler import ProfilerActivity, profile
 
 from fused_swiglu.bench.measure import median_ms
-from fused_swiglu.bench.report import provenance
+from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 #: Trace categories that occupy the GPU: kernels, and the memsets/copies a step might add.
@@ -191,27 +191,17 @@ def main() -> int:
     ap.add_argument("--glu", action="store_true", help="also the GLU operator at (11136, 3584, 14336)")
     ap.add_argument("--steps", type=int, default=10, help="profiled steps per round")
     ap.add_argument("--reps", type=int, default=4, help="rounds per implementation, alternating")
-    ap.add_argument(
-        "--variants",
-        nargs="+",
-        default=[],
-        metavar="EXPERIMENT:VARIANT",
-        help="also the library step inside these ab_step.py variants (e.g. ping-pong-factors:ping-pong), "
-        "at each problem the experiment applies to",
-    )
+    add_variants_argument(ap, "the library step, at each problem the experiment applies to,")
     ap.add_argument("--out", default="breakdown.json")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     add_shape_arguments(ap)
     args = ap.parse_args()
-    variants = [tuple(v.split(":", 1)) for v in args.variants]
-    for v in variants:
-        if len(v) != 2 or v[0] not in EXPERIMENTS or v[1] not in EXPERIMENTS[v[0]][1]:
-            ap.error(f"unknown variant {':'.join(v)}; see ab_step.py's EXPERIMENTS")
+    variants = chosen_variants(ap, args)
     if not torch.cuda.is_available():
         print("step_breakdown needs a CUDA GPU: it reads kernel times from the profiler's CUDA trace")
         return 1
     meta = provenance(args.commit)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
+    print(provenance_header(meta))
     rows = []
     for save in args.saves:
         for label, floor, step, leaves in problems(save, chosen_shapes(args), glu=args.glu):

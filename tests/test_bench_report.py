@@ -161,3 +161,10 @@ def test_median_ms_asks_do_bench_for_the_median(monkeypatch):
     monkeypatch.setattr(measure, "do_bench", lambda fn, **kw: seen.update(kw) or 1.5)
     assert measure.median_ms(lambda: None, warmup=3, rep=7, grad_to_none=["g"]) == 1.5
     assert seen == {"warmup": 3, "rep": 7, "grad_to_none": ["g"], "return_mode": "median"}
+
+
+def test_provenance_header_names_gpu_versions_and_commit():
+    from fused_swiglu.bench.report import provenance_header
+
+    meta = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "abc1234", "date": "x"}
+    assert provenance_header(meta) == "# NVIDIA H200, torch 2.11.0, triton 3.6.0, commit abc1234"

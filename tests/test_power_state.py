@@ -36,3 +36,17 @@ def test_summarize_drops_the_edges_and_takes_medians(power):
 def test_summarize_refuses_too_few_samples(power):
     with pytest.raises(ValueError, match="too few"):
         power.summarize(["1980, 120.0, 0x0", "1980, 120.0, 0x0"])
+
+
+def test_variants_are_checked_against_the_experiments(power):
+    import argparse
+
+    import ab_step
+
+    parser = argparse.ArgumentParser()
+    ab_step.add_variants_argument(parser, "the step")
+    ok = parser.parse_args(["--variants", "ping-pong-factors:ping-pong"])
+    assert ab_step.chosen_variants(parser, ok) == [("ping-pong-factors", "ping-pong")]
+    for bad in ("ping-pong-factors:bogus", "no-such-experiment:x", "missing-colon"):
+        with pytest.raises(SystemExit):
+            ab_step.chosen_variants(parser, parser.parse_args(["--variants", bad]))

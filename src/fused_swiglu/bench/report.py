@@ -51,6 +51,11 @@ def provenance(commit: str | None) -> dict:
     return meta
 
 
+def provenance_header(meta: dict) -> str:
+    """The one line a benchmark log starts with, so every raw log says where it was measured."""
+    return f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
+
+
 def shape_table(rows: list[dict], markdown: bool = False) -> str:
     body = []
     for row in rows:
