@@ -7,8 +7,13 @@ the fused step of the experiment's save mode inside variants of ``ab_step.py``'s
 launch shape forced, say). Each implementation is warmed up (compiled, tuned), then runs steps back
 to back for ``--seconds`` while ``nvidia-smi`` samples every 100 ms; the first and last samples are
 dropped (the loop starting and stopping). Per implementation and repetition (the order reversing
-between repetitions): ms per step from CUDA events around the loop, and the median SM clock and
-power with every throttle reason seen.
+between repetitions): ms per step from CUDA events around the loop (``bench.measure.sustained_ms``,
+eight steps kept queued), and the median SM clock and power with every throttle reason seen.
+
+The logs ``raw/power-df4a6e4.log``, ``raw/power-all-beaaab9.log`` and ``raw/power-pp4096-beaaab9.log``
+were taken with an earlier loop that waited for the GPU to drain every fourth step; the GPU then sat
+idle while the host issued the next step's first kernel, which weighs against implementations with
+a long host path before it (NOTES item 39).
 
 Why it matters: when a step runs at the power cap, the clock falls until the draw fits, so what
 costs time is energy per step, not cycles alone; and a kernel that draws more power slows the
@@ -23,12 +28,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 from ab_step import EXPERIMENTS, add_variants_argument, chosen_variants, variant
 
 from fused_swiglu.bench.impls import IMPL_NAMES, EagerSwiGLUMLP, Impl, build_impl
+from fused_swiglu.bench.measure import sustained_ms
 from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
@@ -69,27 +74,16 @@ def summarize(lines: list[str]) -> dict:
 
 
 def sample(step, params: list[torch.Tensor], seconds: float) -> dict:
-    """Run ``step`` back to back for ``seconds`` under ``nvidia-smi`` sampling."""
+    """Run ``step`` back to back for ``seconds`` (``sustained_ms``) under ``nvidia-smi`` sampling."""
     smi = subprocess.Popen(
         ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
         stdout=subprocess.PIPE,
         text=True,
     )
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    steps, t0 = 0, time.perf_counter()
-    start.record()
-    while time.perf_counter() - t0 < seconds:
-        for p in params:
-            p.grad = None
-        step()
-        steps += 1
-        if steps % 4 == 0:  # a bounded queue, so the loop's seconds are the GPU's seconds
-            torch.cuda.synchronize()
-    end.record()
-    torch.cuda.synchronize()
+    ms = sustained_ms(step, params, seconds)
     smi.terminate()
     out, _ = smi.communicate()
-    return {"ms_per_step": start.elapsed_time(end) / steps, **summarize(out.splitlines())}
+    return {"ms_per_step": ms, **summarize(out.splitlines())}
 
 
 def main() -> int:

@@ -168,3 +168,88 @@ def test_provenance_header_names_gpu_versions_and_commit():
 
     meta = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "abc1234", "date": "x"}
     assert provenance_header(meta) == "# NVIDIA H200, torch 2.11.0, triton 3.6.0, commit abc1234"
+
+
+def test_sustained_columns_and_note_appear_only_when_measured(tmp_path):
+    assert "sustained" not in shape_table(ROWS)
+    rows = [ROWS[0] | {"sustained_ms": 1.1}, ROWS[1] | {"sustained_ms": 1.2, "sustained_vs_floor": 1.091}]
+    table = shape_table(rows + ROWS[2:])
+    assert "sustained ms" in table and "1.091" in table
+    assert "missing: liger-kernel is not installed" in table
+    write_markdown(tmp_path / "r.md", META | {"sustained_s": 2.5}, {"tiny": rows}, [])
+    assert "back to back for 2.5 s per repetition" in (tmp_path / "r.md").read_text()
+    write_markdown(tmp_path / "plain.md", META, {"tiny": ROWS}, [])
+    assert "back to back" not in (tmp_path / "plain.md").read_text()
+
+
+def test_sustained_step_is_timed_in_the_rotation_and_compared_to_the_floor(monkeypatch):
+    """``sustained_s`` adds one back-to-back run per implementation and repetition."""
+    import torch
+
+    from fused_swiglu.bench import measure
+    from fused_swiglu.bench.impls import Impl
+
+    costs = {"floor": 2.0, "fused": 2.2}
+    order = []
+
+    def sustained(step, params, seconds):
+        assert seconds == 0.5
+        order.append(step())
+        return costs[order[-1]]
+
+    monkeypatch.setattr(measure, "median_ms", lambda fn, **_: 1.0)
+    monkeypatch.setattr(measure, "sustained_ms", sustained)
+    monkeypatch.setattr(measure, "_memory", lambda impl, grad_out: (0.0, 0.0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    impls = [Impl(name, forward=lambda: None, step=lambda name=name: name) for name in costs]
+    rows = measure.measure_impls(impls, None, 1.0, reps=2, log=lambda _: None, sustained_s=0.5)
+
+    by_name = {r["impl"]: r for r in rows}
+    assert by_name["fused"]["sustained_ms"] == 2.2
+    assert by_name["fused"]["sustained_vs_floor"] == pytest.approx(1.1)
+    assert order == ["floor", "fused", "fused", "floor"]  # rotated, once per repetition
+
+
+def test_sustained_ms_waits_only_for_the_call_a_queue_back(monkeypatch):
+    """The loop never drains the GPU: before call n it waits for call n - SUSTAINED_QUEUE alone."""
+    import torch
+
+    from fused_swiglu.bench import measure
+
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self, enable_timing=False):
+            self.id, Event.count = Event.count, Event.count + 1
+            self.recorded_at = None
+
+        def record(self):
+            self.recorded_at = len([e for e in log if e[0] == "call"])
+
+        def synchronize(self):
+            log.append(("wait", self.recorded_at))
+
+        def elapsed_time(self, other):
+            return 30.0
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append(("drain", None)))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: float(next(clock)))
+    param = torch.zeros(1, requires_grad=True)
+    param.grad = torch.ones(1)
+
+    def step():
+        assert param.grad is None  # gradients cleared before every call
+        log.append(("call", None))
+
+    ms = measure.sustained_ms(step, [param], seconds=20.5)
+    calls = [e for e in log if e[0] == "call"]
+    assert len(calls) == 20 and ms == 30.0 / 20
+    q = measure.SUSTAINED_QUEUE
+    waits = [at for kind, at in log if kind == "wait"]
+    # The first q waits are on events never recorded; then call n waits for the end of call n - q.
+    assert waits[:q] == [None] * q and waits[q:] == [n - q + 1 for n in range(q, 20)]
+    assert [kind for kind, _ in log].count("drain") == 1 and log[-1] == ("drain", None)

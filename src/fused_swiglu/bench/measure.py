@@ -26,6 +26,34 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, gra
     return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
+#: How many calls ``sustained_ms`` keeps queued ahead of the GPU.
+SUSTAINED_QUEUE = 8
+
+
+def sustained_ms(step: Callable[[], object], params: list[torch.Tensor], seconds: float) -> float:
+    """ms per call of ``step`` run back to back for ``seconds``, as a training loop runs it: the L2
+    cache warm from the previous call, the clock settled where the card's power limit puts it.
+
+    The host waits only for the call ``SUSTAINED_QUEUE`` back, never for the GPU to drain, so the GPU
+    never sits idle while the host issues the next call (unless the host is the slower of the two,
+    which then is the finding); the queue stays bounded, so the loop's seconds are the GPU's."""
+    done = [torch.cuda.Event() for _ in range(SUSTAINED_QUEUE)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.perf_counter()
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        slot = done[calls % SUSTAINED_QUEUE]
+        slot.synchronize()  # the call SUSTAINED_QUEUE back (a never-recorded event returns at once)
+        for p in params:
+            p.grad = None
+        step()
+        slot.record()
+        calls += 1
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def _clear_grads(impl: Impl) -> None:
     for p in impl.params:
         p.grad = None
@@ -91,10 +119,13 @@ def measure_impls(
     log: Callable[[str], None] = print,
     inference_only: bool = False,
     graphs: bool = False,
+    sustained_s: float = 0.0,
 ) -> list[dict]:
     """First call, memory and interleaved timings of ``impls`` (a ``(name, reason)`` pair marks a
     missing one); the first implementation named ``floor`` is the reference for the ratios.
     ``inference_only`` times the no_grad forward alone (first call included), without memory.
+    ``sustained_s`` > 0 also runs each step back to back for that many seconds per repetition
+    (``sustained_ms``), in the same rotation.
     ``graphs`` also times that forward replayed from a CUDA graph (``graph_fwd_ms``); an
     implementation that cannot be captured gets ``graph_failed`` instead."""
     rows: dict[str, dict] = {}
@@ -143,6 +174,9 @@ def measure_impls(
             for metric, (fn, grads) in metrics.items():
                 t = median_ms(fn, warmup=25, rep=100, grad_to_none=grads or None)
                 samples.setdefault((impl.name, metric), []).append(t)
+            if sustained_s > 0 and not inference_only:
+                t = sustained_ms(impl.step, impl.params, sustained_s)
+                samples.setdefault((impl.name, "sustained_ms"), []).append(t)
         log(f"  timing repetition {rep + 1}/{reps} done")
     for (name, metric), values in samples.items():
         rows[name][metric] = statistics.median(values)
@@ -151,7 +185,7 @@ def measure_impls(
     for row in rows.values():
         if "step_ms" in row:
             row["tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
-        for metric in ("step_ms", "fwd_ms", "no_grad_fwd_ms", "graph_fwd_ms"):
+        for metric in ("step_ms", "sustained_ms", "fwd_ms", "no_grad_fwd_ms", "graph_fwd_ms"):
             if metric in row and metric in floor:
                 row[metric.removesuffix("_ms") + "_vs_floor"] = row[metric] / floor[metric]
     return list(rows.values())
@@ -166,6 +200,7 @@ def measure_shape(
     dtype: torch.dtype = torch.bfloat16,
     reps: int = 5,
     log: Callable[[str], None] = print,
+    sustained_s: float = 0.0,
 ) -> list[dict]:
     """The MLP at one shape: one row per implementation."""
     torch.manual_seed(0)
@@ -178,7 +213,8 @@ def measure_shape(
             torch._dynamo.reset()  # a fresh compile per shape, timed as its first call
         built = build_impl(name, reference, x, dy)
         impls.append((name, built) if isinstance(built, str) else built)
-    rows = measure_impls(impls, dy, 18 * m * hidden * inter, reps=reps, log=log)  # 6 MHI fwd + 12 MHI bwd
+    flops = 18 * m * hidden * inter  # 6 MHI fwd + 12 MHI bwd
+    rows = measure_impls(impls, dy, flops, reps=reps, log=log, sustained_s=sustained_s)
     for row in rows:
         row.update({"M": m, "hidden": hidden, "intermediate": inter})
     return rows

@@ -16,6 +16,8 @@ COLUMNS = [
     ("impl", "impl"),
     ("step_ms", "fwd+bwd ms"),
     ("step_vs_floor", "vs floor"),
+    ("sustained_ms", "sustained ms"),
+    ("sustained_vs_floor", "vs floor"),
     ("fwd_ms", "fwd ms"),
     ("no_grad_fwd_ms", "no_grad fwd ms"),
     ("no_grad_fwd_vs_floor", "vs floor"),
@@ -56,14 +58,19 @@ def provenance_header(meta: dict) -> str:
     return f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
 
 
+#: Columns shown only when some row has them (``bench --sustained``).
+OPTIONAL_COLUMNS = {"sustained_ms", "sustained_vs_floor"}
+
+
 def shape_table(rows: list[dict], markdown: bool = False) -> str:
+    columns = [(k, t) for k, t in COLUMNS if k not in OPTIONAL_COLUMNS or any(k in row for row in rows)]
     body = []
     for row in rows:
         if "missing" in row:
-            body.append([row["impl"], f"missing: {row['missing']}"] + [None] * (len(COLUMNS) - 2))
+            body.append([row["impl"], f"missing: {row['missing']}"] + [None] * (len(columns) - 2))
         else:
-            body.append([row.get(key) for key, _ in COLUMNS])
-    return format_table([title for _, title in COLUMNS], body, markdown=markdown)
+            body.append([row.get(key) for key, _ in columns])
+    return format_table([title for _, title in columns], body, markdown=markdown)
 
 
 def write_markdown(path: Path, meta: dict, shapes: dict[str, list[dict]], extra: list[str]) -> None:
@@ -78,6 +85,12 @@ def write_markdown(path: Path, meta: dict, shapes: dict[str, list[dict]], extra:
         "and backward (output excluded); peak = extra memory of one step over weights and inputs.",
         "",
     ]
+    if meta.get("sustained_s"):
+        lines[-1:-1] = [
+            f"sustained = the step run back to back for {meta['sustained_s']:g} s per repetition (median "
+            "over repetitions), as a training loop runs it: L2 warm, the clock where the power limit "
+            "puts it.",
+        ]
     for name, rows in shapes.items():
         first = rows[0]
         lines += [

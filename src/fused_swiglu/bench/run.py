@@ -86,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{' '.join(map(str, DECODE_ROWS))}) with the first shape's hidden and intermediate sizes",
     )
     parser.add_argument(
+        "--sustained",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also run each training step back to back for this long per repetition, as a training "
+        "loop runs it (warm L2, the clock where the power limit puts it); off by default",
+    )
+    parser.add_argument(
         "--cold-start",
         action="store_true",
         help="also time a new shape's first call in fresh processes (empty, then warm kernel cache)",
@@ -101,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shapes = chosen_shapes(args)
     meta = provenance(args.commit) | {"dtype": args.dtype}
+    if args.sustained > 0:
+        meta["sustained_s"] = args.sustained
     dtype = DTYPES[args.dtype]
     print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit'][:12]}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +130,14 @@ def run(args: argparse.Namespace) -> int:
     for name, (m, h, i) in shapes.items():
         print(f"\n{name}: M={m} hidden={h} intermediate={i}", flush=True)
         results[name] = measure_shape(
-            m, h, i, args.impls, dtype=dtype, reps=args.reps, log=lambda s: print(s, flush=True)
+            m,
+            h,
+            i,
+            args.impls,
+            dtype=dtype,
+            reps=args.reps,
+            log=lambda s: print(s, flush=True),
+            sustained_s=args.sustained,
         )
         print(shape_table(results[name]), flush=True)
         save()
