@@ -68,7 +68,8 @@ def _drop_kernel_analysis_tracebacks(record: logging.LogRecord) -> bool:
     """Dynamo's analysis of which tensors a user Triton kernel writes cannot parse Liger's SwiGLU
     kernels (a float argument used as a tensor); it logs a traceback per kernel, then treats every
     input as written, which is still correct. Those screens of text are about the peer, not the
-    measurement. (A filter on the logger, because torch resets the levels of its loggers.)"""
+    measurement. A logging filter (False drops the record) on the logger, because torch resets the
+    levels of its loggers."""
     return not (
         record.pathname.endswith("triton_kernel_wrap.py")
         and record.getMessage().startswith("Encountered an exception in identify_")

@@ -124,10 +124,10 @@ def measure_impls(
     """First call, memory and interleaved timings of ``impls`` (a ``(name, reason)`` pair marks a
     missing one); the first implementation named ``floor`` is the reference for the ratios.
     ``inference_only`` times the no_grad forward alone (first call included), without memory.
-    ``sustained_s`` > 0 also runs each step back to back for that many seconds per repetition
-    (``sustained_ms``), in the same rotation.
     ``graphs`` also times that forward replayed from a CUDA graph (``graph_fwd_ms``); an
-    implementation that cannot be captured gets ``graph_failed`` instead."""
+    implementation that cannot be captured gets ``graph_failed`` instead. ``sustained_s`` > 0 also
+    runs each training step back to back for that many seconds per repetition (``sustained_ms``), in
+    the same rotation."""
     rows: dict[str, dict] = {}
     ready: list[Impl] = []
     replays: dict[str, Callable[[], None]] = {}
