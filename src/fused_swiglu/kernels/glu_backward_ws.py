@@ -73,10 +73,12 @@ class PingPongConfig(WSConfig, ws.PingPongLaunch):
 #: (NOTES.md item 33; raw/pp-drafts-41a62f0.log, raw/pp-sweep-e85f6df.log, raw/pp-ab-e85f6df.log) the
 #: kernel alone was faster than the cooperative launch at every shape measured with hidden 896 to
 #: 3584: by 0.5-16% in three runs at the benchmark shapes, 2-6% at three more; the step by 0.1-1.8%
-#: (one run). At hidden 4096 it was faster at llama2-7b in all four runs, by 0.3-0.4% of the step in
-#: two; at llama3-8b the kernel was faster in two runs of four and the step 2% slower in one run and
-#: 1.2% faster in another (raw/ab-pp4096-c69e360.log), so 4096 and above keep the cooperative launch.
-PING_PONG_MAX_HIDDEN = 3584
+#: (one run). At hidden 4096 single-step timings disagreed between runs (raw/ab-pp4096-c69e360.log),
+#: because the step runs at the power cap and a faster kernel slows the others (item 37); back to back
+#: for seconds, the ping-pong step was faster in both save modes that use it, factors and recompute,
+#: at llama3-8b and llama2-7b, by 0.2-0.8% (item 41, raw/power-pp4096-b1fa02e.log). Larger hidden
+#: sizes are unmeasured and keep the cooperative launch.
+PING_PONG_MAX_HIDDEN = 4096
 PING_PONG = PingPongConfig()
 
 
