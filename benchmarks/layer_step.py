@@ -15,7 +15,8 @@ where Liger is installed, each eager and compiled. Every variant holds the same 
 the same input and output gradient, so their gradients must agree (the largest relative difference
 to the eager layer's, over the input and every parameter, is printed). Per variant: the fwd+bwd
 step (``do_bench`` medians, the order rotating between repetitions), the extra peak memory of a
-step, and the first call.
+step, and the first call. ``--triton-launch`` adds the fused layers with every kernel launched
+through Triton's JIT path instead of the library's cached direct launch (``kernels/launch.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fused_swiglu.bench.impls import peer_module
 from fused_swiglu.bench.measure import median_ms, peak_mib
 from fused_swiglu.bench.report import provenance, provenance_header
 from fused_swiglu.bench.run import SHAPES
+from fused_swiglu.kernels import launch
 from fused_swiglu.layout import unpack_gate_up
 
 #: Attention heads and key/value heads of the models the MLP shapes come from.
@@ -105,6 +107,19 @@ def step_fn(module, x, position_embeddings, dy):
     return step
 
 
+def through_triton(step):
+    """``step`` with the library's kernels launched through Triton's JIT path."""
+
+    def run() -> None:
+        launch.DIRECT = False
+        try:
+            step()
+        finally:
+            launch.DIRECT = True
+
+    return run
+
+
 def grads(module, x) -> dict[str, torch.Tensor]:
     """The input's gradient and every parameter's, named as in transformers' layer: the fused MLP's
     packed gate/up gradient is unpacked into ``mlp.gate_proj.weight`` and ``mlp.up_proj.weight``."""
@@ -124,7 +139,7 @@ def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.
     return max(((got[n].float() - want[n].float()).norm() / want[n].float().norm()).item() for n in want)
 
 
-def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int) -> dict:
+def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int, triton_launch: bool) -> dict:
     _, hidden, inter = m_hidden_inter
     heads, kv_heads = HEADS[name]
     factory = {"device": "cuda", "dtype": torch.bfloat16}
@@ -136,6 +151,10 @@ def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int) -> dic
     pos = rotary(x, position_ids)
     mods = variants(layer)
     steps = {v: step_fn(mod, x, pos, dy) for v, mod in mods.items()}
+    if triton_launch and launch.DIRECT:
+        for v in ("fused MLP eager", "fused MLP compiled"):
+            mods[f"{v}, Triton launch"] = mods[v]
+            steps[f"{v}, Triton launch"] = through_triton(steps[v])
     leaves = lambda mod: [x, *mod.parameters()]  # noqa: E731
 
     first, diffs, peaks, reference = {}, {}, {}, None
@@ -184,6 +203,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="layer.json")
+    ap.add_argument("--triton-launch", action="store_true", help="also the fused layers via Triton launches")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -193,7 +213,7 @@ def main() -> int:
     print(provenance_header(meta))
     rows = []
     for name in args.shapes:
-        rows.append(run_shape(name, SHAPES[name], args.batch, args.seq, args.reps))
+        rows.append(run_shape(name, SHAPES[name], args.batch, args.seq, args.reps, args.triton_launch))
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

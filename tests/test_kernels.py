@@ -204,12 +204,12 @@ def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations
 @pytest.mark.parametrize(
     "name, save, config",
     [
-        ("_glu_forward_ws_kernel", Saved.NOTHING, None),
-        ("_glu_forward_ws_kernel", Saved.FACTORS, None),
-        ("_glu_forward_ws_kernel", Saved.PREACT, None),
-        ("_glu_backward_ws_kernel", Saved.FACTORS, CONFIGS[Saved.FACTORS]),
-        ("_glu_backward_ws_kernel", Saved.PREACT, None),
-        ("_glu_backward_pp_kernel", Saved.FACTORS, None),  # a small hidden size picks ping-pong
+        ("_launch_forward_ws", Saved.NOTHING, None),
+        ("_launch_forward_ws", Saved.FACTORS, None),
+        ("_launch_forward_ws", Saved.PREACT, None),
+        ("_launch_backward_ws", Saved.FACTORS, CONFIGS[Saved.FACTORS]),
+        ("_launch_backward_ws", Saved.PREACT, None),
+        ("_launch_backward_pp", Saved.FACTORS, None),  # a small hidden size picks ping-pong
     ],
     ids=lambda v: v.name if isinstance(v, Saved) else v if isinstance(v, str) else None,
 )
@@ -217,13 +217,14 @@ def test_warp_specialized_launchers_pass_every_kernel_argument(name, save, confi
     """Each launcher hands its kernel exactly the kernel's parameters (checked on any machine: the
     launch is intercepted, so no GPU is needed), plus the register limit."""
     module = glu_forward_ws_mod if "forward" in name else glu_backward_ws_mod
-    kernel, launches = getattr(module, name), []
+    launcher, launches = getattr(module, name), []
+    kernel = launcher._kernel
 
     class Intercepted:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((grid, args, kwargs))
 
-    monkeypatch.setattr(module, name, Intercepted())
+    monkeypatch.setattr(launcher, "_kernel", Intercepted())
     p = make_problem(300, 64, 512, dtype=torch.bfloat16, device=torch.device("cpu"))
     if module is glu_forward_ws_mod:
         glu_forward_ws(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import CHUNK, empty, interpreting, silu_and_slope
+from .launch import KernelLauncher
 
 
 @triton.jit
@@ -51,6 +52,9 @@ def _glu_activation_kernel(
         tl.store(p_up + CHUNK_, (b_up * b_slope * gate_scale).to(h_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_activation = KernelLauncher(_glu_activation_kernel)
+
+
 def glu_activation(
     h: torch.Tensor,
     *,
@@ -73,8 +77,8 @@ def glu_activation(
     a = empty((m, inter), h) if write_a else None
     block_m = 16 if interpreting() else min(16, triton.next_power_of_2(m))
     block_n = 16 if interpreting() else 256
-    grid = (triton.cdiv(m, block_m), triton.cdiv(inter, block_n))
-    _glu_activation_kernel[grid](
+    _launch_activation(
+        (triton.cdiv(m, block_m), triton.cdiv(inter, block_n)),
         h,
         a,
         m,

@@ -30,6 +30,7 @@ from .common import (
     unpack_columns,
 )
 from .configs import TileConfig, backward_config
+from .launch import KernelLauncher, Tma
 
 
 @triton.jit
@@ -123,6 +124,9 @@ def _glu_backward_kernel(
                 )
 
 
+_launch_backward = KernelLauncher(_glu_backward_kernel, descriptor)
+
+
 def glu_backward_(
     dy: torch.Tensor,
     w_down: torch.Tensor,
@@ -147,11 +151,12 @@ def glu_backward_(
     width = cfg.block_n // cfg.epilogue_split
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
-    _glu_backward_kernel[(persistent_programs(num_tiles, dy.device, cfg.ctas_per_sm),)](
-        descriptor(dy, [cfg.block_m, cfg.block_k]),
-        descriptor(w_down, [cfg.block_k, cfg.block_n]),
-        descriptor(saved, [cfg.block_m, 2 * width]),
-        None if a is None else descriptor(a, [cfg.block_m, width]),
+    _launch_backward(
+        (persistent_programs(num_tiles, dy.device, cfg.ctas_per_sm),),
+        Tma(dy, (cfg.block_m, cfg.block_k)),
+        Tma(w_down, (cfg.block_k, cfg.block_n)),
+        Tma(saved, (cfg.block_m, 2 * width)),
+        None if a is None else Tma(a, (cfg.block_m, width)),
         m,
         inter,
         hidden,

@@ -28,6 +28,7 @@ import torch
 from . import hopper_ws as ws
 from .common import Saved, empty
 from .hopper_ws import AVAILABLE, gluon_descriptor
+from .launch import KernelLauncher, Tma
 
 if AVAILABLE:
     from .hopper_ws import fence_async_shared, gl, gluon, mbarrier, tma
@@ -297,6 +298,9 @@ if AVAILABLE:
             [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS],
         )  # fmt: skip
 
+    _launch_backward_ws = KernelLauncher(_glu_backward_ws_kernel, gluon_descriptor)
+    _launch_backward_pp = KernelLauncher(_glu_backward_pp_kernel, gluon_descriptor)
+
 
 def glu_backward_ws_(
     dy: torch.Tensor,
@@ -324,20 +328,21 @@ def glu_backward_ws_(
         raise ValueError("saved pre-activations need a_buffers for the recomputed a")
     width = c.piece_width
     descriptors = (
-        gluon_descriptor(dy, [c.block_m, c.block_k]),
-        gluon_descriptor(w_down, [c.block_k, c.block_n]),
-        gluon_descriptor(saved, [c.block_m, 2 * width]),
+        Tma(dy, (c.block_m, c.block_k)),
+        Tma(w_down, (c.block_k, c.block_n)),
+        Tma(saved, (c.block_m, 2 * width)),
     )
     grid = (c.programs(m, inter, dy.device),)
     if isinstance(c, PingPongConfig):
-        _glu_backward_pp_kernel[grid](
-            *descriptors, m, inter, hidden, float(out_scale), NSAVED=c.saved_buffers, **c.meta()
+        _launch_backward_pp(
+            grid, *descriptors, m, inter, hidden, float(out_scale), NSAVED=c.saved_buffers, **c.meta()
         )
         return None
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
-    _glu_backward_ws_kernel[grid](
+    _launch_backward_ws(
+        grid,
         *descriptors,
-        None if a is None else gluon_descriptor(a, [c.block_m, width]),
+        None if a is None else Tma(a, (c.block_m, width)),
         m,
         inter,
         hidden,

@@ -34,6 +34,7 @@ from .common import (
     unpack_columns,
 )
 from .configs import TileConfig, forward_config
+from .launch import KernelLauncher, Tma
 
 
 @triton.jit
@@ -122,6 +123,9 @@ def _glu_forward_kernel(
                 )
 
 
+_launch_forward = KernelLauncher(_glu_forward_kernel, descriptor)
+
+
 def glu_forward(
     x: torch.Tensor,
     w_packed: torch.Tensor,
@@ -147,11 +151,12 @@ def glu_forward(
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
-    _glu_forward_kernel[(persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),)](
-        descriptor(x, [cfg.block_m, cfg.block_k]),
-        descriptor(w_packed, [2 * cfg.block_n, cfg.block_k]),
-        None if a is None else descriptor(a, [cfg.block_m, width]),
-        None if saved is None else descriptor(saved, [cfg.block_m, 2 * width]),
+    _launch_forward(
+        (persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),),
+        Tma(x, (cfg.block_m, cfg.block_k)),
+        Tma(w_packed, (2 * cfg.block_n, cfg.block_k)),
+        None if a is None else Tma(a, (cfg.block_m, width)),
+        None if saved is None else Tma(saved, (cfg.block_m, 2 * width)),
         m,
         inter,
         hidden,

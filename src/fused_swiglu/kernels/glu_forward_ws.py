@@ -20,6 +20,7 @@ import torch
 from . import hopper_ws as ws
 from .common import Saved, empty
 from .hopper_ws import AVAILABLE, gluon_descriptor
+from .launch import KernelLauncher, Tma
 
 if AVAILABLE:
     from .hopper_ws import fence_async_shared, gl, gluon, mbarrier, tma
@@ -149,6 +150,8 @@ if AVAILABLE:
             [WORKER_REGS, WORKER_REGS],
         )
 
+    _launch_forward_ws = KernelLauncher(_glu_forward_ws_kernel, gluon_descriptor)
+
 
 def glu_forward_ws(
     x: torch.Tensor,
@@ -170,11 +173,12 @@ def glu_forward_ws(
     width = c.piece_width
     a = empty((m, inter), x)
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
-    _glu_forward_ws_kernel[(c.programs(m, inter, x.device),)](
-        gluon_descriptor(x, [c.block_m, c.block_k]),
-        gluon_descriptor(w_packed, [2 * c.block_n, c.block_k]),
-        gluon_descriptor(a, [c.block_m, width]),
-        None if saved is None else gluon_descriptor(saved, [c.block_m, 2 * width]),
+    _launch_forward_ws(
+        (c.programs(m, inter, x.device),),
+        Tma(x, (c.block_m, c.block_k)),
+        Tma(w_packed, (2 * c.block_n, c.block_k)),
+        Tma(a, (c.block_m, width)),
+        None if saved is None else Tma(saved, (c.block_m, 2 * width)),
         m,
         inter,
         hidden,

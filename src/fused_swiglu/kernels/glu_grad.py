@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import CHUNK, Saved, interpreting, pack_columns, silu_and_slope, unpack_columns
+from .launch import KernelLauncher
 
 
 @triton.jit
@@ -64,6 +65,9 @@ def _glu_grad_kernel(
     tl.store(p_s, b_grad.to(s_ptr.dtype.element_ty), mask=m_s)
 
 
+_launch_grad = KernelLauncher(_glu_grad_kernel)
+
+
 def glu_grad_(
     da: torch.Tensor,
     saved: torch.Tensor,
@@ -85,8 +89,8 @@ def glu_grad_(
             f"expected row-major dA [M, I] and a packed saved [M, 2I], got {da.shape} and {saved.shape}"
         )
     block_m, block_n = (16, 16) if interpreting() else (32, 128)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(inter, block_n))
-    _glu_grad_kernel[grid](
+    _launch_grad(
+        (triton.cdiv(m, block_m), triton.cdiv(inter, block_n)),
         da,
         saved,
         m,
