@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fused_swiglu.kernels import glu_backward_ws as glu_backward_ws_mod
 from fused_swiglu.kernels import glu_forward_ws as glu_forward_ws_mod
-from fused_swiglu.kernels import hopper_ws
+from fused_swiglu.kernels import hopper_ws, launch
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
 from fused_swiglu.kernels.glu_activation import glu_activation
@@ -219,6 +219,7 @@ def test_warp_specialized_launchers_pass_every_kernel_argument(name, save, confi
     module = glu_forward_ws_mod if "forward" in name else glu_backward_ws_mod
     launcher, launches = getattr(module, name), []
     kernel = launcher._kernel
+    monkeypatch.setattr(launch, "DIRECT", False)  # every call reaches the intercepted Triton launch
 
     class Intercepted:
         def __getitem__(self, grid):

@@ -102,6 +102,7 @@ def test_second_call_with_the_same_key_launches_the_compiled_kernel_directly(dir
         pytest.param(dict(n=1), id="n-is-1"),
         pytest.param(dict(n=32), id="n-divisible-by-16"),
         pytest.param(dict(t=torch.zeros(40, 24, dtype=torch.float16)), id="descriptor-dtype"),
+        pytest.param(dict(t=torch.zeros(40, 24, device="meta")), id="descriptor-device"),
         pytest.param(dict(t=torch.zeros(40 * 24 + 1)[1:].view(40, 24)), id="descriptor-base-misaligned"),
         pytest.param(dict(t=torch.zeros(40, 30)[:, :24]), id="descriptor-row-stride-misaligned"),
         pytest.param(dict(block=(32, 8)), id="descriptor-block"),

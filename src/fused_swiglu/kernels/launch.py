@@ -62,6 +62,7 @@ def _arg_key(arg: Any) -> Any:
         size = t.element_size()
         return (
             "tma",
+            t.device,
             t.dtype,
             arg.block,
             t.data_ptr() % 16 == 0,
@@ -70,7 +71,7 @@ def _arg_key(arg: Any) -> Any:
             min(t.shape) > 0,
         )
     if isinstance(arg, torch.Tensor):
-        return ("ptr", arg.dtype, arg.data_ptr() % 16 == 0)
+        return ("ptr", arg.device, arg.dtype, arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool):
         return ("bool", arg)
     if isinstance(arg, int):
