@@ -52,32 +52,34 @@ class _HostTma(NamedTuple):
     padding: str = "zero"
 
 
-def _arg_key(arg: Any) -> Any:
-    """What Triton's specialization can see of one runtime argument, and a little more: a finer key
-    only costs another first call."""
-    if arg is None:
-        return None
+def _key_and_launch_arg(arg: Any) -> tuple[Any, Any]:
+    """What Triton's specialization can see of one runtime argument (and a little more: a finer key
+    only costs another first call), and the argument as the compiled kernel's launcher takes it.
+    One pass, since the host time of this is the point."""
     if isinstance(arg, Tma):
         t = arg.tensor
-        size = t.element_size()
-        return (
+        shape, strides, size = t.shape, t.stride(), t.dtype.itemsize
+        key = (
             "tma",
             t.device,
             t.dtype,
             arg.block,
             t.data_ptr() % 16 == 0,
-            tuple(stride * size % 16 == 0 for stride in t.stride()),
-            t.stride(-1) == 1,
-            min(t.shape) > 0,
+            tuple(stride * size % 16 == 0 for stride in strides),
+            strides[-1] == 1,
+            min(shape) > 0,
         )
+        return key, _HostTma(t, list(shape), list(strides))
+    if arg is None:
+        return None, None
     if isinstance(arg, torch.Tensor):
-        return ("ptr", arg.device, arg.dtype, arg.data_ptr() % 16 == 0)
+        return ("ptr", arg.device, arg.dtype, arg.data_ptr() % 16 == 0), arg
     if isinstance(arg, bool):
-        return ("bool", arg)
+        return ("bool", arg), arg
     if isinstance(arg, int):
-        return ("int", arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+        return ("int", arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31), arg
     if isinstance(arg, float):
-        return "float"
+        return "float", arg
     raise TypeError(f"no launch key for a {type(arg).__name__} argument")
 
 
@@ -115,8 +117,9 @@ class KernelLauncher:
             self._through_triton(grid, args, constexprs)
             return
         device = _current_device()
+        keys, launch_args = zip(*map(_key_and_launch_arg, args), strict=True) if args else ((), ())
         runtime = triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode
-        key = (device, runtime, tuple(_arg_key(a) for a in args), tuple(constexprs.items()))
+        key = (device, runtime, keys, tuple(constexprs.items()))
         entry = self._compiled.get(key)
         if entry is None or VERIFY:
             compiled = self._through_triton(grid, args, constexprs)
@@ -133,14 +136,11 @@ class KernelLauncher:
                 )
             return
         compiled, tail = entry
-        launch_args = []
-        for a in args:
-            if isinstance(a, Tma):
-                t = a.tensor
-                if t.is_cuda:  # the launcher encodes the descriptor through the driver
-                    bind_cuda_context(t.device)
-                a = _HostTma(t, list(t.shape), list(t.stride()))
-            launch_args.append(a)
+        for a in launch_args:
+            if isinstance(a, _HostTma) and a.base.is_cuda:
+                # The launcher encodes the descriptors through the driver: a context must be current.
+                bind_cuda_context(a.base.device)
+                break
         grid3 = (*grid, 1, 1)[:3]
         compiled.run(
             *grid3,
