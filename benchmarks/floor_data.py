@@ -23,7 +23,7 @@ import torch
 from fused_swiglu import SwiGLUMLP
 from fused_swiglu.bench.impls import GemmFloor
 from fused_swiglu.bench.measure import median_ms
-from fused_swiglu.bench.report import provenance, provenance_header
+from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 #: The floor's GEMMs that read a stand-in tensor, as in ``GemmFloor.step``.
@@ -65,11 +65,9 @@ def main() -> int:
     ap.add_argument("--out", default="floor_data.json")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("floor_data needs a CUDA GPU")
+    meta = start_gpu_log(args.commit, "floor_data needs a CUDA GPU")
+    if meta is None:
         return 1
-    meta = provenance(args.commit)
-    print(provenance_header(meta))
     rows = []
     for shape, (m, hidden, inter) in chosen_shapes(args).items():
         torch.manual_seed(0)

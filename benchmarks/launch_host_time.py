@@ -20,7 +20,7 @@ import time
 import torch
 
 from fused_swiglu import swiglu_mlp
-from fused_swiglu.bench.report import provenance, provenance_header
+from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.kernels import launch
 from fused_swiglu.testing import make_problem
 
@@ -78,8 +78,9 @@ MODES = {"direct": True, "through triton": False}
 
 
 def main(out: str | None, commit: str | None) -> None:
-    meta = provenance(commit)
-    print(provenance_header(meta), flush=True)
+    meta = start_gpu_log(commit, "launch_host_time needs a CUDA GPU")
+    if meta is None:
+        raise SystemExit(1)
     if not launch.DIRECT:
         raise SystemExit("the direct launch is off here (it needs triton 3.6 on a GPU): nothing to compare")
     results = {}

@@ -34,7 +34,7 @@ import torch
 from fused_swiglu import swap_swiglu_mlps
 from fused_swiglu.bench.impls import peer_module
 from fused_swiglu.bench.measure import median_ms, peak_mib
-from fused_swiglu.bench.report import provenance, provenance_header
+from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels import launch
 from fused_swiglu.layout import unpack_gate_up
@@ -206,11 +206,9 @@ def main() -> int:
     ap.add_argument("--triton-launch", action="store_true", help="also the fused layers via Triton launches")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("layer_step needs a CUDA GPU")
+    meta = start_gpu_log(args.commit, "layer_step needs a CUDA GPU")
+    if meta is None:
         return 1
-    meta = provenance(args.commit)
-    print(provenance_header(meta))
     rows = []
     for name in args.shapes:
         rows.append(run_shape(name, SHAPES[name], args.batch, args.seq, args.reps, args.triton_launch))

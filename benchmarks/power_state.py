@@ -34,7 +34,7 @@ from ab_step import EXPERIMENTS, add_variants_argument, chosen_variants, variant
 
 from fused_swiglu.bench.impls import IMPL_NAMES, EagerSwiGLUMLP, Impl, build_impl
 from fused_swiglu.bench.measure import sustained_ms
-from fused_swiglu.bench.report import provenance, provenance_header
+from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 #: ``clocks_throttle_reasons.active`` bits (NVML's nvmlClocksEventReasons), the ones that slow a busy GPU.
@@ -102,11 +102,9 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown implementations {unknown}; choose from {list(IMPL_NAMES)}")
     variants = chosen_variants(ap, args)
-    if not torch.cuda.is_available():
-        print("power_state needs a CUDA GPU and nvidia-smi")
+    meta = start_gpu_log(args.commit, "power_state needs a CUDA GPU and nvidia-smi")
+    if meta is None:
         return 1
-    meta = provenance(args.commit)
-    print(provenance_header(meta))
     rows = []
     for shape, (m, hidden, inter) in chosen_shapes(args).items():
         torch.manual_seed(0)

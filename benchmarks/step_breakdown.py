@@ -35,7 +35,7 @@ from ab_step import EXPERIMENTS, MLP_ONLY, add_variants_argument, chosen_variant
 from torch.profiler import ProfilerActivity, profile
 
 from fused_swiglu.bench.measure import median_ms
-from fused_swiglu.bench.report import provenance, provenance_header
+from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.bench.run import add_shape_arguments, chosen_shapes
 
 #: Trace categories that occupy the GPU: kernels, and the memsets/copies a step might add.
@@ -197,11 +197,11 @@ def main() -> int:
     add_shape_arguments(ap)
     args = ap.parse_args()
     variants = chosen_variants(ap, args)
-    if not torch.cuda.is_available():
-        print("step_breakdown needs a CUDA GPU: it reads kernel times from the profiler's CUDA trace")
+    meta = start_gpu_log(
+        args.commit, "step_breakdown needs a CUDA GPU: it reads kernel times from the profiler's CUDA trace"
+    )
+    if meta is None:
         return 1
-    meta = provenance(args.commit)
-    print(provenance_header(meta))
     rows = []
     for save in args.saves:
         for label, floor, step, leaves in problems(save, chosen_shapes(args), glu=args.glu):

@@ -253,3 +253,11 @@ def test_sustained_ms_waits_only_for_the_call_a_queue_back(monkeypatch):
     # The first q waits are on events never recorded; then call n waits for the end of call n - q.
     assert waits[:q] == [None] * q and waits[q:] == [n - q + 1 for n in range(q, 20)]
     assert [kind for kind, _ in log].count("drain") == 1 and log[-1] == ("drain", None)
+
+
+def test_start_gpu_log_says_what_a_script_needs_without_a_gpu(monkeypatch, capsys):
+    from fused_swiglu.bench import report
+
+    monkeypatch.setattr(report.torch.cuda, "is_available", lambda: False)
+    assert report.start_gpu_log("abc", "this script needs a CUDA GPU") is None
+    assert capsys.readouterr().out == "this script needs a CUDA GPU\n"

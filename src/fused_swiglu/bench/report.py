@@ -58,6 +58,17 @@ def provenance_header(meta: dict) -> str:
     return f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}"
 
 
+def start_gpu_log(commit: str | None, needs: str) -> dict | None:
+    """For a benchmark script: its run's provenance, with the header line printed; or, without a CUDA
+    GPU, ``None`` after printing ``needs`` (what the script needs, said in its own words)."""
+    if not torch.cuda.is_available():
+        print(needs)
+        return None
+    meta = provenance(commit)
+    print(provenance_header(meta), flush=True)
+    return meta
+
+
 #: Columns shown only when some row has them (``bench --sustained``).
 OPTIONAL_COLUMNS = {"sustained_ms", "sustained_vs_floor"}
 
