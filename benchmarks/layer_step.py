@@ -15,8 +15,10 @@ where Liger is installed, each eager and compiled. Every variant holds the same 
 the same input and output gradient, so their gradients must agree (the largest relative difference
 to the eager layer's, over the input and every parameter, is printed). Per variant: the fwd+bwd
 step (``do_bench`` medians, the order rotating between repetitions), the extra peak memory of a
-step, and the first call. ``--triton-launch`` adds the fused layers with every kernel launched
-through Triton's JIT path instead of the library's cached direct launch (``kernels/launch.py``).
+step, and the first call. ``--traced`` adds the fused layer compiled with its training traced into
+the graph (``compiled_training="traced"``: no graph break). ``--triton-launch`` adds the fused
+layers with every kernel launched through Triton's JIT path instead of the library's cached direct
+launch (``kernels/launch.py``).
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ def _drop_kernel_analysis_tracebacks(record: logging.LogRecord) -> bool:
     )
 
 
-def variants(layer: torch.nn.Module, backend: str = "inductor") -> dict[str, torch.nn.Module]:
+def variants(
+    layer: torch.nn.Module, backend: str = "inductor", traced: bool = False
+) -> dict[str, torch.nn.Module]:
     """The layer as given, with the fused MLP swapped in, and with Liger-Kernel's MLP where it is
-    installed, each eager and compiled (own copies of the same weights)."""
+    installed, each eager and compiled (own copies of the same weights); with ``traced``, also the
+    fused layer compiled with its training traced into the graph (``compiled_training="traced"``)."""
     fused = copy.deepcopy(layer)
     swapped = swap_swiglu_mlps(fused)
     if swapped != ["mlp"]:
@@ -93,9 +98,14 @@ def variants(layer: torch.nn.Module, backend: str = "inductor") -> dict[str, tor
         layers["Liger MLP"] = copy.deepcopy(layer)
         layers["Liger MLP"].mlp = liger
         logging.getLogger("torch._dynamo").addFilter(_drop_kernel_analysis_tracebacks)
-    return {f"{name} eager": mod for name, mod in layers.items()} | {
+    out = {f"{name} eager": mod for name, mod in layers.items()} | {
         f"{name} compiled": torch.compile(copy.deepcopy(mod), backend=backend) for name, mod in layers.items()
     }
+    if traced:
+        traced_layer = copy.deepcopy(fused)
+        traced_layer.mlp.compiled_training = "traced"
+        out["fused MLP traced compiled"] = torch.compile(traced_layer, backend=backend)
+    return out
 
 
 def step_fn(module, x, position_embeddings, dy):
@@ -139,7 +149,9 @@ def max_relative_difference(got: dict[str, torch.Tensor], want: dict[str, torch.
     return max(((got[n].float() - want[n].float()).norm() / want[n].float().norm()).item() for n in want)
 
 
-def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int, triton_launch: bool) -> dict:
+def run_shape(
+    name: str, m_hidden_inter, batch: int, seq: int, reps: int, triton_launch: bool, traced: bool
+) -> dict:
     _, hidden, inter = m_hidden_inter
     heads, kv_heads = HEADS[name]
     factory = {"device": "cuda", "dtype": torch.bfloat16}
@@ -149,7 +161,7 @@ def run_shape(name: str, m_hidden_inter, batch: int, seq: int, reps: int, triton
     dy = torch.randn(batch, seq, hidden, **factory)
     position_ids = torch.arange(seq, device="cuda").expand(batch, seq)
     pos = rotary(x, position_ids)
-    mods = variants(layer)
+    mods = variants(layer, traced=traced)
     steps = {v: step_fn(mod, x, pos, dy) for v, mod in mods.items()}
     if triton_launch and launch.DIRECT:
         for v in ("fused MLP eager", "fused MLP compiled"):
@@ -203,6 +215,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="layer.json")
+    ap.add_argument("--traced", action="store_true", help="also the fused layer with traced training")
     ap.add_argument("--triton-launch", action="store_true", help="also the fused layers via Triton launches")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
@@ -211,7 +224,9 @@ def main() -> int:
         return 1
     rows = []
     for name in args.shapes:
-        rows.append(run_shape(name, SHAPES[name], args.batch, args.seq, args.reps, args.triton_launch))
+        rows.append(
+            run_shape(name, SHAPES[name], args.batch, args.seq, args.reps, args.triton_launch, args.traced)
+        )
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

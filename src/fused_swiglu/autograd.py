@@ -121,10 +121,9 @@ class SwiGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, save: str):
         kept = KEPT[save]
-        a, saved = _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=down_multiplier, save=kept)
-        y = torch.mm(a, w_down.t())
-        # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
-        ctx.save_for_backward(x, w_gate_up, w_down, saved, a if kept == Saved.FACTORS else None)
+        scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
+        y, saved, a = mlp_forward(x, w_gate_up, w_down, kept, scales)
+        ctx.save_for_backward(x, w_gate_up, w_down, saved, a)
         ctx.gate_multiplier, ctx.down_multiplier = gate_multiplier, down_multiplier
         ctx.kept = kept
         ctx.saved_buffers_consumed = False
@@ -133,24 +132,43 @@ class SwiGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         _start_backward(ctx)
-        x, w_gate_up, w_down, grad_gate_up, a = ctx.saved_tensors
-        need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
-        dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
+        x, w_gate_up, w_down, saved, a = ctx.saved_tensors
         scales = {"gate_scale": ctx.gate_multiplier, "out_scale": ctx.down_multiplier}
-        if ctx.kept == Saved.NOTHING:
-            needs = (need_dx, need_dw_gate_up, need_dw_down)
-            return (*_mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs), None, None, None)
-        recomputed = _backward_(dy, w_down, grad_gate_up, kind=ctx.kept, **scales)
-        # From here on grad_gate_up holds [dU | dG] in packed column order.
-        dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
-        if ctx.kept == Saved.FACTORS:
-            # Autograd holds saved tensors until this function returns; release a's memory now, before
-            # the two largest GEMMs allocate their outputs (the backward consumes what was saved).
-            a.untyped_storage().resize_(0)
-        del a, recomputed
-        dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
-        dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw_gate_up else None
-        return dx, dw_gate_up, dw_down, None, None, None
+        needs = ctx.needs_input_grad[:3]
+        grads = mlp_backward_(dy, x, w_gate_up, w_down, saved, a, ctx.kept, scales, needs, release_a=True)
+        return *grads, None, None, None
+
+
+def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict):
+    """y, the saved packed tensor (``None`` for ``Saved.NOTHING``) and ``a`` scaled by the down
+    multiplier (``None`` unless the factors are saved, where dW_down needs it)."""
+    a, saved = _forward(x, w_gate_up, save=kept, **scales)
+    y = torch.mm(a, w_down.t())
+    # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
+    return y, saved, a if kept == Saved.FACTORS else None
+
+
+def mlp_backward_(dy, x, w_gate_up, w_down, saved, a, kept: Saved, scales: dict, needs, *, release_a: bool):
+    """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
+
+    Overwrites ``saved`` with the packed pre-activation gradient. With ``release_a``, ``a``'s memory is
+    released once dW_down is made (the caller guarantees nothing reads ``a`` afterwards).
+    """
+    need_dx, need_dw_gate_up, need_dw_down = needs
+    dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
+    if kept == Saved.NOTHING:
+        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
+    recomputed = _backward_(dy, w_down, saved, kind=kept, **scales)
+    # From here on saved holds [dU | dG] in packed column order.
+    dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
+    if release_a and kept == Saved.FACTORS:
+        # Autograd holds saved tensors until the backward returns; release a's memory now, before
+        # the two largest GEMMs allocate their outputs (the backward consumes what was saved).
+        a.untyped_storage().resize_(0)
+    del a, recomputed
+    dx = torch.mm(saved, w_gate_up) if need_dx else None
+    dw_gate_up = torch.mm(saved.t(), x) if need_dw_gate_up else None
+    return dx, dw_gate_up, dw_down
 
 
 class SwiGLULinearFunction(torch.autograd.Function):

@@ -8,7 +8,15 @@ import warnings
 
 import torch
 
-from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction, swiglu_linear_no_grad, swiglu_mlp_no_grad
+from .autograd import (
+    KEPT,
+    SwiGLULinearFunction,
+    SwiGLUMLPFunction,
+    mlp_backward_,
+    mlp_forward,
+    swiglu_linear_no_grad,
+    swiglu_mlp_no_grad,
+)
 from .kernels.common import interpreting, tma_ready
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 
@@ -30,7 +38,7 @@ def _kernels_built_for(device_index: int) -> bool:
         warnings.warn(
             f"fused_swiglu: the fused kernels are built and tested for Hopper (sm_90); on this GPU "
             f"(sm_{major}{minor}) the PyTorch reference runs instead, at eager speed and memory.",
-            stacklevel=5,
+            stacklevel=6,
         )
     return major == 9
 
@@ -42,17 +50,28 @@ def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     the Triton interpreter; rows 16-byte aligned (hidden and intermediate times the item size
     multiples of 16) and at least one token. Otherwise the PyTorch reference runs.
     """
-    if x.dtype not in FUSED_DTYPES or x.numel() == 0:
+    if x.numel() == 0:
         return False
-    if x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _fusable(x.dtype, x.device, x.shape[-1], gate_up_weight.shape[0] // 2)
+
+
+def _fusable(dtype: torch.dtype, device: torch.device, hidden: int, inter: int) -> bool:
+    if dtype not in FUSED_DTYPES:
+        return False
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
         if not _kernels_built_for(index):
             return False
-    elif not (x.device.type == "cpu" and interpreting()):
+    elif not (device.type == "cpu" and interpreting()):
         return False
-    hidden = x.shape[-1]
-    inter = gate_up_weight.shape[0] // 2
-    return (hidden * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0
+    return (hidden * dtype.itemsize) % 16 == 0 and (inter * dtype.itemsize) % 16 == 0
+
+
+# A traced training call (functional.py) decides while Dynamo traces it, from these constants: Dynamo
+# calls a function so marked and keeps its result as a constant instead of tracing the device query.
+# This is what torch.compiler.assume_constant_result does, which would import Dynamo with the library
+# (about a second, which an eager user never pays). Were the mark ignored, Dynamo would trace it.
+_fusable._dynamo_marked_constant = True
 
 
 def _training(*tensors: torch.Tensor) -> bool:
@@ -105,3 +124,26 @@ def linear_2d(x2d, gate_up_weight, gate_multiplier: float, save: str):
     if not fused_path_available(x2d, gate_up_weight):
         return reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
     return _fused_linear(x2d, gate_up_weight, gate_multiplier, save)
+
+
+@_on_tensor_device
+def mlp_train_forward_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+    """The fused MLP's training forward without autograd (the traced training path, ops.py): y, the
+    saved packed tensor and ``a`` (``None`` where the save mode keeps neither)."""
+    x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
+    scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
+    with torch.no_grad():
+        return mlp_forward(x2d, gate_up_weight, down_weight, KEPT[save], scales)
+
+
+@_on_tensor_device
+def mlp_train_backward_2d_(
+    x2d, gate_up_weight, down_weight, dy, saved, a, gate_multiplier, down_multiplier, save, needs
+):
+    """Its backward: (dX, packed dW_gate_up, dW_down), ``None`` where not needed; overwrites ``saved``."""
+    x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
+    scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
+    with torch.no_grad():
+        return mlp_backward_(
+            dy, x2d, gate_up_weight, down_weight, saved, a, KEPT[save], scales, needs, release_a=False
+        )

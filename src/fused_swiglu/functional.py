@@ -2,7 +2,8 @@
 path, the fused inference path, or the PyTorch reference where the fused kernels cannot run.
 
 Under ``torch.compile`` an inference call is traced as one custom op (ops.py); a training call runs
-eagerly behind one graph break, because its backward overwrites what the forward kept.
+eagerly behind one graph break, because its backward overwrites what the forward kept, or, with
+``compiled_training="traced"``, is traced as a pair of custom ops that declare that overwrite.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import torch
 from . import ops
 from .dispatch import fused_path_available, linear_2d, mlp_2d
 from .layout import check_intermediate_size, pack_gate_up
+from .reference import reference_swiglu_mlp_packed
 
 __all__ = ["fused_path_available", "swiglu_linear", "swiglu_mlp"]
 
 SaveMode = Literal["factors", "preact", "recompute"]
+CompiledTraining = Literal["graph_break", "traced"]
+COMPILED_TRAINING = ("graph_break", "traced")
 MLP_SAVE_MODES = ("factors", "preact", "recompute")
 # The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
 LINEAR_SAVE_MODES = ("factors", "recompute")
@@ -28,6 +32,12 @@ LINEAR_SAVE_MODES = ("factors", "recompute")
 # llama2-7b (1-2%), within 1.7% either way elsewhere, with the same peak as "preact" (README,
 # docs/benchmarks/NOTES.md); "preact" keeps a third less between the passes.
 DEFAULT_SAVE: SaveMode = "factors"
+
+
+def check_compiled_training(mode: str) -> str:
+    if mode not in COMPILED_TRAINING:
+        raise ValueError(f"compiled_training must be one of {list(COMPILED_TRAINING)}, got {mode!r}")
+    return mode
 
 
 def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str:
@@ -124,7 +134,7 @@ def _graph_break_if_training(fn):
     def call(*args, **kwargs):
         nonlocal dynamo_off
         if torch.compiler.is_compiling():
-            if _needs_autograd(*args):
+            if _needs_autograd(*args) and kwargs.get("compiled_training", "graph_break") != "traced":
                 return torch.compiler.disable(fn)(*args, **kwargs)
             return fn(*args, **kwargs)
         if "torch._dynamo" not in sys.modules:
@@ -145,6 +155,7 @@ def swiglu_mlp(
     gate_multiplier: float = 1.0,
     down_multiplier: float = 1.0,
     save: SaveMode = DEFAULT_SAVE,
+    compiled_training: CompiledTraining = "graph_break",
 ) -> torch.Tensor:
     """The SwiGLU MLP ``down_multiplier * down(silu(gate_multiplier * gate(x)) * up(x))``.
 
@@ -158,6 +169,10 @@ def swiglu_mlp(
         save: what training keeps for the backward, per token: ``"factors"`` (default; 3 * intermediate
             elements, the fastest backward), ``"preact"`` (2 * intermediate; the backward recomputes
             the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
+        compiled_training: how a training call runs under ``torch.compile``: ``"graph_break"``
+            (default) runs it eagerly behind one graph break; ``"traced"`` traces it into the graph as
+            two custom ops (no break, ``fullgraph=True`` works), and the compiled backward then copies
+            what the forward kept before overwriting it. Outside ``torch.compile`` it changes nothing.
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.
@@ -171,13 +186,26 @@ def swiglu_mlp(
     x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
     _validate(x, gate_up_weight, down_weight)
     check_save_mode(save)
+    check_compiled_training(compiled_training)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     down_multiplier = _check_multiplier("down_multiplier", down_multiplier)
     hidden = gate_up_weight.shape[1]
     x2d = x.reshape(-1, hidden)
 
-    if torch.compiler.is_compiling():  # inference only (see _graph_break_if_training)
-        y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier)
+    if torch.compiler.is_compiling():  # inference, or traced training (see _graph_break_if_training)
+        scalars = (gate_multiplier, down_multiplier)
+        if not _needs_autograd(x2d, gate_up_weight, down_weight):
+            y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
+        elif fused_path_available(x2d, gate_up_weight):
+            y = ops.swiglu_mlp_training(x2d, gate_up_weight, down_weight, *scalars, save)
+        else:  # plain PyTorch, traced as it is
+            y = reference_swiglu_mlp_packed(
+                x2d,
+                gate_up_weight,
+                down_weight,
+                gate_multiplier=gate_multiplier,
+                down_multiplier=down_multiplier,
+            )
     else:
         y = mlp_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
     return y.reshape(*x.shape[:-1], hidden)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import DEFAULT_SAVE, SaveMode, check_save_mode, swiglu_mlp
+from .functional import (
+    DEFAULT_SAVE,
+    CompiledTraining,
+    SaveMode,
+    check_compiled_training,
+    check_save_mode,
+    swiglu_mlp,
+)
 from .layout import CHUNK, pack_gate_up
 from .nn import SwiGLUMLP
 
@@ -65,7 +72,13 @@ def _check_swappable(name: str, module: nn.Module, check: bool) -> None:
         )
 
 
-def swap_swiglu_mlps(model: nn.Module, *, save: SaveMode = DEFAULT_SAVE, check: bool = True) -> list[str]:
+def swap_swiglu_mlps(
+    model: nn.Module,
+    *,
+    save: SaveMode = DEFAULT_SAVE,
+    check: bool = True,
+    compiled_training: CompiledTraining = "graph_break",
+) -> list[str]:
     """Replace, in place, every submodule of ``model`` with the LlamaMLP pattern by a ``SwiGLUMLP``
     holding the same weights (same device and dtype, frozen where they were), and return their names.
 
@@ -74,9 +87,10 @@ def swap_swiglu_mlps(model: nn.Module, *, save: SaveMode = DEFAULT_SAVE, check: 
     on a few random rows; if any forward is not plain SwiGLU, ``ValueError`` is raised and nothing is
     swapped. Modules on the meta device (weights not materialised yet) cannot be compared and are
     swapped unchecked. Modules that do not match the pattern (GELU gates, biases, Linear subclasses,
-    odd sizes) are left as they are.
+    odd sizes) are left as they are. ``save`` and ``compiled_training`` go to every ``SwiGLUMLP``.
     """
     check_save_mode(save)
+    check_compiled_training(compiled_training)
     candidates = [(name, module) for name, module in model.named_modules() if llama_mlp_pattern(module)]
     if any(not name for name, _ in candidates):
         raise ValueError("fused_swiglu: the model itself is an MLP; use SwiGLUMLP.from_mlp(model)")
@@ -84,5 +98,9 @@ def swap_swiglu_mlps(model: nn.Module, *, save: SaveMode = DEFAULT_SAVE, check: 
         _check_swappable(name, module, check)
     for name, module in candidates:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, SwiGLUMLP.from_mlp(module, save=save))
+        setattr(
+            model.get_submodule(parent_name),
+            child,
+            SwiGLUMLP.from_mlp(module, save=save, compiled_training=compiled_training),
+        )
     return [name for name, _ in candidates]

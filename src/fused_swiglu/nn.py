@@ -14,7 +14,16 @@ import math
 import torch
 from torch import nn
 
-from .functional import DEFAULT_SAVE, LINEAR_SAVE_MODES, SaveMode, check_save_mode, swiglu_linear, swiglu_mlp
+from .functional import (
+    DEFAULT_SAVE,
+    LINEAR_SAVE_MODES,
+    CompiledTraining,
+    SaveMode,
+    check_compiled_training,
+    check_save_mode,
+    swiglu_linear,
+    swiglu_mlp,
+)
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
 
 _GATE, _UP, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj"
@@ -88,6 +97,8 @@ class SwiGLUMLP(nn.Module):
             ``"preact"`` (2I) or ``"recompute"`` (none; one more GEMM in the backward); may be changed
             on the instance.
         gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
+        compiled_training: ``"graph_break"`` (default) or ``"traced"``: how training runs under
+            ``torch.compile`` (see ``swiglu_mlp``); may be changed on the instance.
         device, dtype: of the parameters.
 
     Parameters: ``gate_up_proj`` ``[2I, H]`` (packed, see :mod:`fused_swiglu.layout`) and
@@ -102,17 +113,20 @@ class SwiGLUMLP(nn.Module):
         save: SaveMode = DEFAULT_SAVE,
         gate_multiplier: float = 1.0,
         down_multiplier: float = 1.0,
+        compiled_training: CompiledTraining = "graph_break",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_save_mode(save)
+        check_compiled_training(compiled_training)
         factory = {"device": device, "dtype": dtype}
         _add_packed_gate_up(self, hidden_size, intermediate_size, factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
         self.save = save
         self.gate_multiplier = gate_multiplier
         self.down_multiplier = down_multiplier
+        self.compiled_training = compiled_training
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -146,11 +160,14 @@ class SwiGLUMLP(nn.Module):
             gate_multiplier=self.gate_multiplier,
             down_multiplier=self.down_multiplier,
             save=self.save,
+            compiled_training=self.compiled_training,
         )
 
     def extra_repr(self) -> str:
         parts = [f"hidden_size={self.hidden_size}", f"intermediate_size={self.intermediate_size}"]
         parts.append(f"save={self.save!r}")
+        if self.compiled_training != "graph_break":
+            parts.append(f"compiled_training={self.compiled_training!r}")
         if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
             parts.append(f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}")
         return ", ".join(parts)

@@ -1,0 +1,143 @@
+"""Training traced into a torch.compile graph (``compiled_training="traced"``): the MLP's forward and
+backward as custom ops, no graph break, the same results as the eager fused step, and never silently
+wrong on a second backward or a double backward."""
+
+import shutil
+
+import pytest
+import torch
+from launch_spies import FORWARD_LAUNCHERS, record_launches
+
+from fused_swiglu import SwiGLUMLP, ops, swap_swiglu_mlps, swiglu_mlp
+from fused_swiglu.testing import make_problem, relative_error
+
+SAVES = ["factors", "preact", "recompute"]
+#: Inductor compiles CPU code with a C++ compiler; on the GPU it generates Triton.
+INDUCTOR = pytest.param(
+    "inductor",
+    marks=pytest.mark.skipif(
+        not torch.cuda.is_available() and shutil.which("c++") is None,
+        reason="inductor on CPU needs a C++ compiler",
+    ),
+)
+
+
+def step(fn, p, x):
+    """Gradients of one step through ``fn(x, w_gate_up, w_down)``, from fresh leaves."""
+    x = x.detach().requires_grad_()
+    w_gate_up, w_down = p.w_gate_up.detach().requires_grad_(), p.w_down.detach().requires_grad_()
+    y = fn(x, w_gate_up, w_down)
+    y.backward(p.dy.reshape(y.shape))
+    return [y.detach(), x.grad, w_gate_up.grad, w_down.grad]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
+@pytest.mark.parametrize("save", SAVES)
+def test_traced_step_matches_the_eager_fused_step(device, save, backend, monkeypatch):
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.reshape(1, 37, 40)
+    expected = step(lambda x, w, wd: swiglu_mlp(x, w, wd, save=save), p, x)
+    launches = record_launches(monkeypatch, dict.fromkeys(FORWARD_LAUNCHERS, lambda kwargs: 1))
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, save=save, compiled_training="traced"),
+        backend=backend,
+        fullgraph=True,  # raises on a graph break
+    )
+    got = step(traced, p, x)
+    assert launches, "the traced step did not run the fused forward"
+    for name, g, e in zip(("y", "dx", "dW_gate_up", "dW_down"), got, expected, strict=True):
+        assert torch.isfinite(g).all(), name
+        assert relative_error(g, e) < 1e-6, name
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+@pytest.mark.parametrize("save", ["factors", "preact"])
+def test_traced_second_backward_is_correct_or_refused(device, save, backend):
+    """A compiled backward either copies what the forward kept before the backward op overwrites it,
+    so walking the graph again gives the same gradients (aot_eager), or, where it lets the op
+    overwrite the kept tensor's own memory (inductor's donated buffers), refuses a retained graph."""
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, save=save, compiled_training="traced"), backend=backend
+    )
+    x, w, wd = (t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down))
+    y = traced(x, w, wd)
+    if backend == "inductor":
+        with pytest.raises(RuntimeError, match="retain_graph=False"):
+            y.backward(p.dy, retain_graph=True)
+        return
+    y.backward(p.dy, retain_graph=True)
+    first = [t.grad.clone() for t in (x, w, wd)]
+    for t in (x, w, wd):
+        t.grad = None
+    y.backward(p.dy)
+    for g, f in zip((x.grad, w.grad, wd.grad), first, strict=True):
+        assert torch.equal(g, f)
+
+
+def test_ops_called_eagerly_refuse_a_second_backward(device):
+    """The backward op declares its in-place overwrite, so autograd's version check refuses a
+    second walk of a graph built from the ops outside torch.compile."""
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.detach().requires_grad_()
+    y = ops.swiglu_mlp_training(x, p.w_gate_up, p.w_down, 1.0, 1.0, "factors")
+    y.backward(p.dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(p.dy)
+
+
+def test_traced_double_backward_raises(device):
+    """Differentiating the traced backward again raises (compiled graphs refuse double backward)."""
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, compiled_training="traced"), backend="aot_eager"
+    )
+    x = p.x.detach().requires_grad_()
+    y = traced(x, p.w_gate_up, p.w_down)
+    (dx,) = torch.autograd.grad(y, x, p.dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()
+
+
+def test_traced_fallback_traces_the_reference(device):
+    """Where the fused kernels cannot run (float64 here), the traced call is plain PyTorch."""
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float64, device=device)
+    expected = step(lambda x, w, wd: swiglu_mlp(x, w, wd), p, p.x)
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, compiled_training="traced"), backend="aot_eager", fullgraph=True
+    )
+    for g, e in zip(step(traced, p, p.x), expected, strict=True):
+        assert relative_error(g, e) < 1e-12
+
+
+def test_default_training_still_breaks_the_graph(device):
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    compiled = torch.compile(lambda x, w, wd: swiglu_mlp(x, w, wd), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="[Ss]kip|disable|graph break"):
+        step(compiled, p, p.x)
+
+
+def test_module_and_swap_carry_the_setting(device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=40, intermediate_size=72, num_attention_heads=4)
+    model = torch.nn.Sequential(transformers.models.llama.modeling_llama.LlamaMLP(config)).to(device)
+    swap_swiglu_mlps(model, compiled_training="traced")
+    assert model[0].compiled_training == "traced" and "compiled_training='traced'" in repr(model)
+    torch._dynamo.reset()
+    x = torch.randn(2, 5, 40, device=device, requires_grad=True)
+    y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(model[0].gate_up_proj.grad).all()
+
+
+def test_unknown_compiled_training_is_refused(device):
+    p = make_problem(4, 16, 16, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="compiled_training must be one of"):
+        swiglu_mlp(p.x, p.w_gate_up, p.w_down, compiled_training="fast")
+    with pytest.raises(ValueError, match="compiled_training must be one of"):
+        SwiGLUMLP(16, 16, compiled_training="fast")
