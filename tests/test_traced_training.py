@@ -1,6 +1,6 @@
-"""Training traced into a torch.compile graph (``compiled_training="traced"``): the MLP's forward and
-backward as custom ops, no graph break, the same results as the eager fused step, and never silently
-wrong on a second backward or a double backward."""
+"""Training traced into a torch.compile graph (``compiled_training="traced"``): the forward and backward
+of the MLP and of the GLU operator as custom ops, no graph break, the same results as the eager fused
+step, and never silently wrong on a second backward or a double backward."""
 
 import shutil
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from launch_spies import FORWARD_LAUNCHERS, record_launches
 
-from fused_swiglu import SwiGLUMLP, ops, swap_swiglu_mlps, swiglu_mlp
+from fused_swiglu import SwiGLULinear, SwiGLUMLP, swap_swiglu_mlps, swiglu_linear, swiglu_mlp, training_ops
 from fused_swiglu.testing import make_problem, relative_error
 
 SAVES = ["factors", "preact", "recompute"]
@@ -82,7 +82,7 @@ def test_ops_called_eagerly_refuse_a_second_backward(device):
     second walk of a graph built from the ops outside torch.compile."""
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x = p.x.detach().requires_grad_()
-    y = ops.swiglu_mlp_training(x, p.w_gate_up, p.w_down, 1.0, 1.0, "factors")
+    y = training_ops.swiglu_mlp_training(x, p.w_gate_up, p.w_down, 1.0, 1.0, "factors")
     y.backward(p.dy, retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward(p.dy)
@@ -141,3 +141,50 @@ def test_unknown_compiled_training_is_refused(device):
         swiglu_mlp(p.x, p.w_gate_up, p.w_down, compiled_training="fast")
     with pytest.raises(ValueError, match="compiled_training must be one of"):
         SwiGLUMLP(16, 16, compiled_training="fast")
+
+
+# The GLU operator ------------------------------------------------------------------------------------
+
+
+def glu_step(fn, p, x):
+    x = x.detach().requires_grad_()
+    w_gate_up = p.w_gate_up.detach().requires_grad_()
+    a = fn(x, w_gate_up)
+    a.backward(p.da.reshape(a.shape))
+    return [a.detach(), x.grad, w_gate_up.grad]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
+@pytest.mark.parametrize("save", ["factors", "recompute"])
+def test_traced_glu_step_matches_the_eager_fused_step(device, save, backend):
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    expected = glu_step(lambda x, w: swiglu_linear(x, w, gate_multiplier=0.7, save=save), p, p.x)
+    traced = torch.compile(
+        lambda x, w: swiglu_linear(x, w, gate_multiplier=0.7, save=save, compiled_training="traced"),
+        backend=backend,
+        fullgraph=True,
+    )
+    for name, g, e in zip(("a", "dx", "dW_gate_up"), glu_step(traced, p, p.x), expected, strict=True):
+        assert torch.isfinite(g).all(), name
+        assert relative_error(g, e) < 1e-6, name
+
+
+def test_glu_ops_called_eagerly_refuse_a_second_backward(device):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.detach().requires_grad_()
+    a = training_ops.swiglu_linear_training(x, p.w_gate_up, 1.0, "factors")
+    a.backward(p.da, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a.backward(p.da)
+
+
+def test_traced_glu_module(device):
+    torch._dynamo.reset()
+    glu = SwiGLULinear(40, 72, compiled_training="traced", device=device)
+    assert "compiled_training='traced'" in repr(glu)
+    x = torch.randn(2, 5, 40, device=device, requires_grad=True)
+    torch.compile(glu, backend="aot_eager", fullgraph=True)(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(glu.gate_up_proj.grad).all()
+    with pytest.raises(ValueError, match="compiled_training must be one of"):
+        SwiGLULinear(16, 16, compiled_training="fast")

@@ -177,7 +177,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate_up, gate_multiplier: float, save: str):
         kept = KEPT[save]
-        a, factors = _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
+        a, factors = linear_forward(x, w_gate_up, gate_multiplier, kept)
         ctx.save_for_backward(x, w_gate_up, factors)
         ctx.gate_multiplier = gate_multiplier
         ctx.kept = kept
@@ -188,18 +188,26 @@ class SwiGLULinearFunction(torch.autograd.Function):
     def backward(ctx, da):
         _start_backward(ctx)
         x, w_gate_up, factors = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        da = da.contiguous()
-        if ctx.kept == Saved.NOTHING:
-            return (
-                *_glu_grads_recomputed(x, w_gate_up, da, ctx.gate_multiplier, need_dx, need_dw),
-                None,
-                None,
-            )
-        grad_gate_up = glu_grad_(da, factors)  # in place: factors become [dU | dG]
-        dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
-        dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
-        return dx, dw_gate_up, None, None
+        needs = ctx.needs_input_grad[:2]
+        return *linear_backward_(da, x, w_gate_up, factors, ctx.kept, ctx.gate_multiplier, needs), None, None
+
+
+def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved):
+    """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
+    return _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
+
+
+def linear_backward_(da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs):
+    """(dX, packed dW_gate_up), each ``None`` where ``needs`` says it is not needed; overwrites the
+    saved ``factors`` with the packed pre-activation gradient."""
+    need_dx, need_dw = needs
+    da = da.contiguous()
+    if kept == Saved.NOTHING:
+        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, need_dx, need_dw)
+    grad_gate_up = glu_grad_(da, factors)  # in place: factors become [dU | dG]
+    dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
+    dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
+    return dx, dw_gate_up
 
 
 def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gate_up, need_dw_down):

@@ -12,6 +12,8 @@ from .autograd import (
     KEPT,
     SwiGLULinearFunction,
     SwiGLUMLPFunction,
+    linear_backward_,
+    linear_forward,
     mlp_backward_,
     mlp_forward,
     swiglu_linear_no_grad,
@@ -147,3 +149,20 @@ def mlp_train_backward_2d_(
         return mlp_backward_(
             dy, x2d, gate_up_weight, down_weight, saved, a, KEPT[save], scales, needs, release_a=False
         )
+
+
+@_on_tensor_device
+def linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save):
+    """The GLU operator's training forward without autograd (ops.py): ``a`` and the saved factors
+    (``None`` for ``"recompute"``)."""
+    x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
+    with torch.no_grad():
+        return linear_forward(x2d, gate_up_weight, gate_multiplier, KEPT[save])
+
+
+@_on_tensor_device
+def linear_train_backward_2d_(x2d, gate_up_weight, da, factors, gate_multiplier, save, needs):
+    """Its backward: (dX, packed dW_gate_up), ``None`` where not needed; overwrites ``factors``."""
+    x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
+    with torch.no_grad():
+        return linear_backward_(da, x2d, gate_up_weight, factors, KEPT[save], gate_multiplier, needs)

@@ -15,10 +15,10 @@ from typing import Literal
 
 import torch
 
-from . import ops
+from . import ops, training_ops
 from .dispatch import fused_path_available, linear_2d, mlp_2d
 from .layout import check_intermediate_size, pack_gate_up
-from .reference import reference_swiglu_mlp_packed
+from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 
 __all__ = ["fused_path_available", "swiglu_linear", "swiglu_mlp"]
 
@@ -197,7 +197,7 @@ def swiglu_mlp(
         if not _needs_autograd(x2d, gate_up_weight, down_weight):
             y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
         elif fused_path_available(x2d, gate_up_weight):
-            y = ops.swiglu_mlp_training(x2d, gate_up_weight, down_weight, *scalars, save)
+            y = training_ops.swiglu_mlp_training(x2d, gate_up_weight, down_weight, *scalars, save)
         else:  # plain PyTorch, traced as it is
             y = reference_swiglu_mlp_packed(
                 x2d,
@@ -218,6 +218,7 @@ def swiglu_linear(
     *,
     gate_multiplier: float = 1.0,
     save: Literal["factors", "recompute"] = "factors",
+    compiled_training: CompiledTraining = "graph_break",
 ) -> torch.Tensor:
     """The GLU half alone: ``silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)``, for callers that own the
     down projection (Megatron-style blocks, MoE experts).
@@ -228,6 +229,7 @@ def swiglu_linear(
         gate_multiplier: scalar multiplier of the gate pre-activation.
         save: ``"factors"`` keeps [silu(g) | u * silu'(g)] (2 * intermediate per token; the backward is
             two multiplies, in place) or ``"recompute"`` keeps nothing and re-runs the fused GEMM.
+        compiled_training: ``"graph_break"`` (default) or ``"traced"``, as for ``swiglu_mlp``.
 
     Returns:
         ``[..., intermediate]``.
@@ -236,11 +238,17 @@ def swiglu_linear(
     x, gate_up_weight = _autocast(x, gate_up_weight)
     _validate(x, gate_up_weight)
     check_save_mode(save, LINEAR_SAVE_MODES)
+    check_compiled_training(compiled_training)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     two_inter, hidden = gate_up_weight.shape
     x2d = x.reshape(-1, hidden)
-    if torch.compiler.is_compiling():  # inference only (see _graph_break_if_training)
-        a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier)
+    if torch.compiler.is_compiling():  # inference, or traced training (see _graph_break_if_training)
+        if not _needs_autograd(x2d, gate_up_weight):
+            a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier)
+        elif fused_path_available(x2d, gate_up_weight):
+            a = training_ops.swiglu_linear_training(x2d, gate_up_weight, gate_multiplier, save)
+        else:  # plain PyTorch, traced as it is
+            a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
     else:
         a = linear_2d(x2d, gate_up_weight, gate_multiplier, save)
     return a.reshape(*x.shape[:-1], two_inter // 2)

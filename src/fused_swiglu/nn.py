@@ -177,7 +177,8 @@ class SwiGLULinear(nn.Module):
     """The GLU half ``silu(gate_multiplier * gate_proj(x)) * up_proj(x)``, ``[..., H] -> [..., I]``, fused.
 
     For blocks that own their down projection (Megatron-style stacks, MoE experts). ``save`` is
-    ``"factors"`` (2I elements kept per token, an in-place two-multiply backward) or ``"recompute"``.
+    ``"factors"`` (2I elements kept per token, an in-place two-multiply backward) or ``"recompute"``;
+    ``compiled_training`` is ``"graph_break"`` (default) or ``"traced"`` (see ``swiglu_mlp``).
     Parameter: ``gate_up_proj`` ``[2I, H]``, packed; state-dict keys ``gate_proj.weight``,
     ``up_proj.weight``.
     """
@@ -189,24 +190,38 @@ class SwiGLULinear(nn.Module):
         *,
         save: str = "factors",
         gate_multiplier: float = 1.0,
+        compiled_training: CompiledTraining = "graph_break",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_save_mode(save, LINEAR_SAVE_MODES)
+        check_compiled_training(compiled_training)
         _add_packed_gate_up(self, hidden_size, intermediate_size, {"device": device, "dtype": dtype})
         self.save = save
         self.gate_multiplier = gate_multiplier
+        self.compiled_training = compiled_training
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         _reset_packed_gate_up(self.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_linear(x, self.gate_up_proj, gate_multiplier=self.gate_multiplier, save=self.save)
+        return swiglu_linear(
+            x,
+            self.gate_up_proj,
+            gate_multiplier=self.gate_multiplier,
+            save=self.save,
+            compiled_training=self.compiled_training,
+        )
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, save={self.save!r}"
             + (f", gate_multiplier={self.gate_multiplier}" if self.gate_multiplier != 1.0 else "")
+            + (
+                f", compiled_training={self.compiled_training!r}"
+                if self.compiled_training != "graph_break"
+                else ""
+            )
         )

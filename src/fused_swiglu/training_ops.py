@@ -1,0 +1,185 @@
+"""Training calls as ``torch.library`` custom ops, for ``compiled_training="traced"`` (opt-in): under
+``torch.compile`` a training call is traced into the graph as a forward op and a backward op tied by
+``register_autograd``, with no graph break, so ``fullgraph=True`` works.
+
+The backward overwrites what the forward kept, in place, and declares it (``mutates_args``). Eagerly,
+autograd's version check then refuses a second walk of the graph. A compiled backward either copies
+the kept tensor before the op overwrites it (``aot_eager``: a second walk is correct) or, with
+inductor, takes it as a donated buffer, copies it onto itself and lets the op overwrite that memory
+(no extra memory, one extra pass over it; PyTorch then refuses ``retain_graph=True``). NOTES.md item
+44. By default training runs eagerly behind a graph break instead (functional.py).
+
+Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import (
+    linear_train_backward_2d_,
+    linear_train_forward_2d,
+    mlp_train_backward_2d_,
+    mlp_train_forward_2d,
+)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _or_none(t: torch.Tensor) -> torch.Tensor | None:
+    return t if t.numel() else None
+
+
+def _no_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fused_swiglu: create_graph=True (double backward) is not supported: the backward is not "
+            "differentiable. Use fused_swiglu.reference for higher-order gradients."
+        )
+
+
+# The MLP ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fused_swiglu::swiglu_mlp_train_forward", mutates_args=())
+def swiglu_mlp_train_forward(
+    x2d: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_multiplier: float,
+    down_multiplier: float,
+    save: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y [M, H], the saved packed [M, 2I] tensor and ``a`` [M, I] (the last two empty where the save
+    mode keeps neither), on validated 2-D inputs."""
+    scalars = (gate_multiplier, down_multiplier, save)
+    y, saved, a = mlp_train_forward_2d(x2d, gate_up_weight, down_weight, *scalars)
+    return y, _or_empty(saved, x2d), _or_empty(a, x2d)
+
+
+@swiglu_mlp_train_forward.register_fake
+def _(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+    m, inter = x2d.shape[0], down_weight.shape[1]
+    saved = x2d.new_empty(m, 2 * inter) if save != "recompute" else x2d.new_empty(0)
+    a = x2d.new_empty(m, inter) if save == "factors" else x2d.new_empty(0)
+    return x2d.new_empty(m, down_weight.shape[0]), saved, a
+
+
+@torch.library.custom_op("fused_swiglu::swiglu_mlp_train_backward", mutates_args=("saved",))
+def swiglu_mlp_train_backward(
+    dy: torch.Tensor,
+    x2d: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    saved: torch.Tensor,
+    a: torch.Tensor,
+    gate_multiplier: float,
+    down_multiplier: float,
+    save: str,
+    need_dx: bool,
+    need_dw_gate_up: bool,
+    need_dw_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved``."""
+    weights = (gate_up_weight, down_weight)
+    scalars = (gate_multiplier, down_multiplier, save, (need_dx, need_dw_gate_up, need_dw_down))
+    grads = mlp_train_backward_2d_(x2d, *weights, dy, _or_none(saved), _or_none(a), *scalars)
+    return tuple(_or_empty(g, x2d) for g in grads)
+
+
+@swiglu_mlp_train_backward.register_fake
+def _(dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs):
+    shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
+    return tuple(x2d.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
+
+
+def _setup_mlp(ctx, inputs, output) -> None:
+    x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save = inputs
+    _, saved, a = output
+    ctx.save_for_backward(x2d, gate_up_weight, down_weight, saved, a)
+    ctx.scalars = gate_multiplier, down_multiplier, save
+    ctx.mark_non_differentiable(saved, a)
+
+
+def _mlp_backward(ctx, dy, _saved_grad, _a_grad):
+    _no_double_backward()
+    needs = ctx.needs_input_grad[:3]
+    grads = swiglu_mlp_train_backward(dy, *ctx.saved_tensors, *ctx.scalars, *needs)
+    return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None, None
+
+
+swiglu_mlp_train_forward.register_autograd(_mlp_backward, setup_context=_setup_mlp)
+
+
+def swiglu_mlp_training(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+    """The traced MLP training call: y of the forward op, whose backward is the backward op."""
+    scalars = (gate_multiplier, down_multiplier, save)
+    return swiglu_mlp_train_forward(x2d, gate_up_weight, down_weight, *scalars)[0]
+
+
+# The GLU operator ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fused_swiglu::swiglu_linear_train_forward", mutates_args=())
+def swiglu_linear_train_forward(
+    x2d: torch.Tensor, gate_up_weight: torch.Tensor, gate_multiplier: float, save: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` [M, I] and the saved factors [M, 2I] (empty for ``"recompute"``), on validated inputs."""
+    a, factors = linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save)
+    return a, _or_empty(factors, x2d)
+
+
+@swiglu_linear_train_forward.register_fake
+def _(x2d, gate_up_weight, gate_multiplier, save):
+    m, two_inter = x2d.shape[0], gate_up_weight.shape[0]
+    factors = x2d.new_empty(m, two_inter) if save != "recompute" else x2d.new_empty(0)
+    return x2d.new_empty(m, two_inter // 2), factors
+
+
+@torch.library.custom_op("fused_swiglu::swiglu_linear_train_backward", mutates_args=("factors",))
+def swiglu_linear_train_backward(
+    da: torch.Tensor,
+    x2d: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    factors: torch.Tensor,
+    gate_multiplier: float,
+    save: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX and the packed dW_gate_up (empty where not needed); overwrites ``factors``."""
+    scalars = (gate_multiplier, save, (need_dx, need_dw))
+    grads = linear_train_backward_2d_(x2d, gate_up_weight, da, _or_none(factors), *scalars)
+    return tuple(_or_empty(g, x2d) for g in grads)
+
+
+@swiglu_linear_train_backward.register_fake
+def _(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
+    return x2d.new_empty(x2d.shape if need_dx else (0,)), x2d.new_empty(
+        gate_up_weight.shape if need_dw else (0,)
+    )
+
+
+def _setup_linear(ctx, inputs, output) -> None:
+    x2d, gate_up_weight, gate_multiplier, save = inputs
+    _, factors = output
+    ctx.save_for_backward(x2d, gate_up_weight, factors)
+    ctx.scalars = gate_multiplier, save
+    ctx.mark_non_differentiable(factors)
+
+
+def _linear_backward(ctx, da, _factors_grad):
+    _no_double_backward()
+    needs = ctx.needs_input_grad[:2]
+    grads = swiglu_linear_train_backward(da, *ctx.saved_tensors, *ctx.scalars, *needs)
+    return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None
+
+
+swiglu_linear_train_forward.register_autograd(_linear_backward, setup_context=_setup_linear)
+
+
+def swiglu_linear_training(x2d, gate_up_weight, gate_multiplier, save):
+    """The traced GLU training call: ``a`` of the forward op, whose backward is the backward op."""
+    return swiglu_linear_train_forward(x2d, gate_up_weight, gate_multiplier, save)[0]
