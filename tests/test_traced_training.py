@@ -223,3 +223,26 @@ def test_training_ops_pass_opcheck(device, save):
     for op, args, which in checks:
         results = torch.library.opcheck(op, args, **({} if which is None else {"test_utils": which}))
         assert set(results.values()) == {"SUCCESS"}, (op, results)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and shutil.which("c++") is None,
+    reason="inductor on CPU needs a C++ compiler",
+)
+def test_bench_compiled_fused_impl_trains_like_the_eager_one(device):
+    """``bench``'s ``fused-compiled``: the fused module under torch.compile with traced training."""
+    from fused_swiglu.bench.impls import EagerSwiGLUMLP, build_impl
+
+    torch._dynamo.reset()
+    reference = EagerSwiGLUMLP(40, 72, device=device)
+    x = torch.randn(37, 40, device=device, requires_grad=True)
+    dy = torch.randn(37, 40, device=device)
+    grads = {}
+    for name in ("fused-factors", "fused-compiled"):
+        impl = build_impl(name, reference, x, dy)
+        for t in impl.params:
+            t.grad = None
+        impl.step()
+        grads[name] = [t.grad.clone() for t in impl.params]
+    for got, want in zip(grads["fused-compiled"], grads["fused-factors"], strict=True):
+        assert relative_error(got, want) < 1e-6

@@ -21,6 +21,8 @@ FUSED_SAVES = ("factors", "preact", "recompute")
 IMPL_NAMES = (
     "floor",
     *(f"fused-{s}" for s in FUSED_SAVES),
+    # The fused module ("factors") under torch.compile, training traced into the graph.
+    "fused-compiled",
     "eager",
     "torch.compile",
     "liger",
@@ -126,6 +128,9 @@ def build_impl(name: str, reference: EagerSwiGLUMLP, x: torch.Tensor, dy: torch.
     if name == "floor":
         floor = GemmFloor(x, SwiGLUMLP.from_mlp(reference).gate_up_proj, reference.down_proj.weight, dy)
         return Impl(name, floor.forward, floor.step, measures_memory=False)
+    if name == "fused-compiled":
+        module = SwiGLUMLP.from_mlp(reference, compiled_training="traced")
+        return _module_impl(name, torch.compile(module, dynamic=False), x, dy)
     if name.startswith("fused-"):
         return _module_impl(name, SwiGLUMLP.from_mlp(reference, save=name.removeprefix("fused-")), x, dy)
     module = peer_module(name, reference)
