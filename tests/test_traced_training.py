@@ -246,3 +246,39 @@ def test_bench_compiled_fused_impl_trains_like_the_eager_one(device):
         grads[name] = [t.grad.clone() for t in impl.params]
     for got, want in zip(grads["fused-compiled"], grads["fused-factors"], strict=True):
         assert relative_error(got, want) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save", SAVES)
+def test_traced_training_replayed_from_cuda_graphs(device, save):
+    """mode="reduce-overhead" records the traced training step (forward and backward ops) in CUDA
+    graphs and replays it: each replay, with new data in place, gives the eager fused step's result."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(256, 512, save=save, compiled_training="traced", device=device, dtype=torch.bfloat16)
+    compiled = torch.compile(mlp, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(300, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(300, 256, device=device, dtype=torch.bfloat16)
+
+    def step(fn):
+        for t in (x, *mlp.parameters()):
+            t.grad = None
+        y = fn(x)
+        y.backward(dy)
+        return [
+            y.detach().clone(),
+            x.grad.clone(),
+            mlp.gate_up_proj.grad.clone(),
+            mlp.down_proj.weight.grad.clone(),
+        ]
+
+    for _ in range(4):  # warm-up, record, replays
+        with torch.no_grad():
+            x.normal_()
+            dy.normal_()
+        torch.compiler.cudagraph_mark_step_begin()
+        got = step(compiled)
+        expected = step(mlp)
+        for g, e in zip(got, expected, strict=True):
+            assert torch.isfinite(g).all()
+            assert torch.equal(g, e)
