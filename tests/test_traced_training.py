@@ -282,3 +282,29 @@ def test_traced_training_replayed_from_cuda_graphs(device, save):
         for g, e in zip(got, expected, strict=True):
             assert torch.isfinite(g).all()
             assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("trainable", ["x", "weights", "down"], ids=lambda v: f"only-{v}")
+def test_traced_step_with_some_inputs_frozen(device, trainable):
+    """Only the gradients asked for are made, and they equal the eager fused step's."""
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    grads_of = {"x": (True, False, False), "weights": (False, True, True), "down": (False, False, True)}[
+        trainable
+    ]
+
+    def run(fn):
+        leaves = [
+            t.detach().requires_grad_(g) for t, g in zip((p.x, p.w_gate_up, p.w_down), grads_of, strict=True)
+        ]
+        fn(*leaves).backward(p.dy)
+        return [t.grad for t in leaves]
+
+    expected = run(lambda x, w, wd: swiglu_mlp(x, w, wd))
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, compiled_training="traced"), backend="aot_eager", fullgraph=True
+    )
+    for got, want, asked in zip(run(traced), expected, grads_of, strict=True):
+        assert (got is None) == (not asked)
+        if asked:
+            assert relative_error(got, want) < 1e-6
