@@ -308,3 +308,17 @@ def test_traced_step_with_some_inputs_frozen(device, trainable):
         assert (got is None) == (not asked)
         if asked:
             assert relative_error(got, want) < 1e-6
+
+
+def test_traced_step_with_dynamic_rows(device):
+    """Compiled with ``dynamic=True``, the fake implementations carry a symbolic row count: two
+    different batch sizes run through one graph and each matches the eager fused step."""
+    torch._dynamo.reset()
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, compiled_training="traced"), backend="aot_eager", dynamic=True
+    )
+    for rows in (37, 130):
+        p = make_problem(rows, 40, 72, dtype=torch.float32, device=device)
+        expected = step(lambda x, w, wd: swiglu_mlp(x, w, wd), p, p.x)
+        for g, e in zip(step(traced, p, p.x), expected, strict=True):
+            assert relative_error(g, e) < 1e-6
