@@ -16,9 +16,7 @@ the same input and output gradient, so their gradients must agree (the largest r
 to the eager layer's, over the input and every parameter, is printed). Per variant: the fwd+bwd
 step (``do_bench`` medians, the order rotating between repetitions), the extra peak memory of a
 step, and the first call. ``--traced`` adds the fused layer compiled with its training traced into
-the graph (``compiled_training="traced"``: no graph break); ``--cuda-graphs`` adds the compiled
-layers without a graph break recorded in CUDA graphs (``mode="reduce-overhead"``, the fused one
-traced). ``--triton-launch`` adds the fused
+the graph (``compiled_training="traced"``: no graph break). ``--triton-launch`` adds the fused
 layers with every kernel launched through Triton's JIT path instead of the library's cached direct
 launch (``kernels/launch.py``).
 """
@@ -83,13 +81,11 @@ def _drop_kernel_analysis_tracebacks(record: logging.LogRecord) -> bool:
 
 
 def variants(
-    layer: torch.nn.Module, backend: str = "inductor", traced: bool = False, cuda_graphs: bool = False
+    layer: torch.nn.Module, backend: str = "inductor", traced: bool = False
 ) -> dict[str, torch.nn.Module]:
     """The layer as given, with the fused MLP swapped in, and with Liger-Kernel's MLP where it is
     installed, each eager and compiled (own copies of the same weights); with ``traced``, also the
-    fused layer compiled with its training traced into the graph (``compiled_training="traced"``);
-    with ``cuda_graphs``, the compiled layers without a graph break (transformers', Liger's, the
-    traced fused one) also compiled with ``mode="reduce-overhead"`` (names ending in "CUDA graphs")."""
+    fused layer compiled with its training traced into the graph (``compiled_training="traced"``)."""
     fused = copy.deepcopy(layer)
     swapped = swap_swiglu_mlps(fused)
     if swapped != ["mlp"]:
@@ -105,24 +101,15 @@ def variants(
     out = {f"{name} eager": mod for name, mod in layers.items()} | {
         f"{name} compiled": torch.compile(copy.deepcopy(mod), backend=backend) for name, mod in layers.items()
     }
-    traced_layer = copy.deepcopy(fused)
-    traced_layer.mlp.compiled_training = "traced"
     if traced:
+        traced_layer = copy.deepcopy(fused)
+        traced_layer.mlp.compiled_training = "traced"
         out["fused MLP traced compiled"] = torch.compile(traced_layer, backend=backend)
-    if cuda_graphs:
-        whole = {name: mod for name, mod in layers.items() if name != "fused MLP"} | {
-            "fused MLP traced": traced_layer
-        }
-        for name, mod in whole.items():
-            compiled = torch.compile(copy.deepcopy(mod), backend=backend, mode="reduce-overhead")
-            out[f"{name} compiled, CUDA graphs"] = compiled
     return out
 
 
-def step_fn(module, x, position_embeddings, dy, new_graph_step: bool = False):
+def step_fn(module, x, position_embeddings, dy):
     def step() -> None:
-        if new_graph_step:  # each call is a new training step for the CUDA graph trees
-            torch.compiler.cudagraph_mark_step_begin()
         out = module(x, position_embeddings=position_embeddings)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(dy)
@@ -170,7 +157,6 @@ def run_shape(
     reps: int,
     triton_launch: bool = False,
     traced: bool = False,
-    cuda_graphs: bool = False,
 ) -> dict:
     _, hidden, inter = m_hidden_inter
     heads, kv_heads = HEADS[name]
@@ -181,8 +167,8 @@ def run_shape(
     dy = torch.randn(batch, seq, hidden, **factory)
     position_ids = torch.arange(seq, device="cuda").expand(batch, seq)
     pos = rotary(x, position_ids)
-    mods = variants(layer, traced=traced, cuda_graphs=cuda_graphs)
-    steps = {v: step_fn(mod, x, pos, dy, v.endswith("CUDA graphs")) for v, mod in mods.items()}
+    mods = variants(layer, traced=traced)
+    steps = {v: step_fn(mod, x, pos, dy) for v, mod in mods.items()}
     if triton_launch and launch.DIRECT:
         for v in ("fused MLP eager", "fused MLP compiled"):
             mods[f"{v}, Triton launch"] = mods[v]
@@ -236,9 +222,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="layer.json")
     ap.add_argument("--traced", action="store_true", help="also the fused layer with traced training")
-    ap.add_argument(
-        "--cuda-graphs", action="store_true", help='also mode="reduce-overhead" where no graph break'
-    )
     ap.add_argument("--triton-launch", action="store_true", help="also the fused layers via Triton launches")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
@@ -256,7 +239,6 @@ def main() -> int:
                 args.reps,
                 triton_launch=args.triton_launch,
                 traced=args.traced,
-                cuda_graphs=args.cuda_graphs,
             )
         )
         with open(args.out, "w") as f:

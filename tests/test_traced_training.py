@@ -56,7 +56,8 @@ def test_traced_step_matches_the_eager_fused_step(device, save, backend, monkeyp
 def test_traced_second_backward_is_correct_or_refused(device, save, backend):
     """A compiled backward either copies what the forward kept before the backward op overwrites it,
     so walking the graph again gives the same gradients (aot_eager), or, where it lets the op
-    overwrite the kept tensor's own memory (inductor's donated buffers), refuses a retained graph."""
+    overwrite the kept tensor's own memory (inductor's donated buffers), refuses a retained graph.
+    Inductor does either, depending on the torch version and device."""
     torch._dynamo.reset()
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     traced = torch.compile(
@@ -64,11 +65,13 @@ def test_traced_second_backward_is_correct_or_refused(device, save, backend):
     )
     x, w, wd = (t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down))
     y = traced(x, w, wd)
-    if backend == "inductor":
-        with pytest.raises(RuntimeError, match="retain_graph=False"):
-            y.backward(p.dy, retain_graph=True)
+    try:
+        y.backward(p.dy, retain_graph=True)
+    except RuntimeError as refusal:
+        # Inductor takes the kept tensor as a donated buffer where it can (seen on CPU with torch
+        # 2.13, not on the GPU with torch 2.11), and then refuses a retained graph.
+        assert backend == "inductor" and "retain_graph=False" in str(refusal)
         return
-    y.backward(p.dy, retain_graph=True)
     first = [t.grad.clone() for t in (x, w, wd)]
     for t in (x, w, wd):
         t.grad = None
@@ -89,7 +92,8 @@ def test_ops_called_eagerly_refuse_a_second_backward(device):
 
 
 def test_traced_double_backward_raises(device):
-    """Differentiating the traced backward again raises (compiled graphs refuse double backward)."""
+    """Differentiating the traced backward again raises, as for any compiled graph: torch 2.13 refuses
+    double backward by name; torch 2.11 returns a gradient with no graph, whose backward raises."""
     torch._dynamo.reset()
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     traced = torch.compile(
@@ -98,7 +102,7 @@ def test_traced_double_backward_raises(device):
     x = p.x.detach().requires_grad_()
     y = traced(x, p.w_gate_up, p.w_down)
     (dx,) = torch.autograd.grad(y, x, p.dy, create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward"):
+    with pytest.raises(RuntimeError, match="double backward|does not require grad"):
         dx.sum().backward()
 
 

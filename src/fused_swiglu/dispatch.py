@@ -54,26 +54,27 @@ def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     """
     if x.numel() == 0:
         return False
-    return _fusable(x.dtype, x.device, x.shape[-1], gate_up_weight.shape[0] // 2)
+    hidden, inter, itemsize = x.shape[-1], gate_up_weight.shape[0] // 2, x.dtype.itemsize
+    # The alignment is tested here, not in the constant-marked check below: compiled with dynamic
+    # shapes, Dynamo may make the widths symbolic (torch 2.11 does), and that check takes constants.
+    aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
+    return aligned and _kernels_run_on(x.dtype, x.device)
 
 
-def _fusable(dtype: torch.dtype, device: torch.device, hidden: int, inter: int) -> bool:
+def _kernels_run_on(dtype: torch.dtype, device: torch.device) -> bool:
     if dtype not in FUSED_DTYPES:
         return False
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if not _kernels_built_for(index):
-            return False
-    elif not (device.type == "cpu" and interpreting()):
-        return False
-    return (hidden * dtype.itemsize) % 16 == 0 and (inter * dtype.itemsize) % 16 == 0
+        return _kernels_built_for(index)
+    return device.type == "cpu" and interpreting()
 
 
 # A traced training call (functional.py) decides while Dynamo traces it, from these constants: Dynamo
 # calls a function so marked and keeps its result as a constant instead of tracing the device query.
 # This is what torch.compiler.assume_constant_result does, which would import Dynamo with the library
 # (about a second, which an eager user never pays). Were the mark ignored, Dynamo would trace it.
-_fusable._dynamo_marked_constant = True
+_kernels_run_on._dynamo_marked_constant = True
 
 
 def _training(*tensors: torch.Tensor) -> bool:
