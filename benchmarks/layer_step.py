@@ -15,10 +15,10 @@ where Liger is installed, each eager and compiled. Every variant holds the same 
 the same input and output gradient, so their gradients must agree (the largest relative difference
 to the eager layer's, over the input and every parameter, is printed). Per variant: the fwd+bwd
 step (``do_bench`` medians, the order rotating between repetitions), the extra peak memory of a
-step, and the first call. ``--traced`` adds the fused layer compiled with its training traced into
-the graph (``compiled_training="traced"``: no graph break). ``--triton-launch`` adds the fused
-layers with every kernel launched through Triton's JIT path instead of the library's cached direct
-launch (``kernels/launch.py``).
+step, and the first call. ``--traced`` compiles the fused layer with its training traced into the
+graph (``compiled_training="traced"``: no graph break) instead of behind the graph break.
+``--triton-launch`` adds the fused layers with every kernel launched through Triton's JIT path
+instead of the library's cached direct launch (``kernels/launch.py``).
 """
 
 from __future__ import annotations
@@ -84,8 +84,11 @@ def variants(
     layer: torch.nn.Module, backend: str = "inductor", traced: bool = False
 ) -> dict[str, torch.nn.Module]:
     """The layer as given, with the fused MLP swapped in, and with Liger-Kernel's MLP where it is
-    installed, each eager and compiled (own copies of the same weights); with ``traced``, also the
-    fused layer compiled with its training traced into the graph (``compiled_training="traced"``)."""
+    installed, each eager and compiled (own copies of the same weights). With ``traced``, the fused
+    layer is compiled with its training traced into the graph (``compiled_training="traced"``)
+    instead of behind the graph break: not both in one process, because Dynamo would run the traced
+    layer through the graph-break layer's compiled code (its guards stop at the break), in three
+    graphs instead of one."""
     fused = copy.deepcopy(layer)
     swapped = swap_swiglu_mlps(fused)
     if swapped != ["mlp"]:
@@ -98,14 +101,13 @@ def variants(
         layers["Liger MLP"] = copy.deepcopy(layer)
         layers["Liger MLP"].mlp = liger
         logging.getLogger("torch._dynamo").addFilter(_drop_kernel_analysis_tracebacks)
-    out = {f"{name} eager": mod for name, mod in layers.items()} | {
-        f"{name} compiled": torch.compile(copy.deepcopy(mod), backend=backend) for name, mod in layers.items()
-    }
+    compiled = {name: copy.deepcopy(mod) for name, mod in layers.items()}
     if traced:
-        traced_layer = copy.deepcopy(fused)
-        traced_layer.mlp.compiled_training = "traced"
-        out["fused MLP traced compiled"] = torch.compile(traced_layer, backend=backend)
-    return out
+        compiled["fused MLP traced"] = compiled.pop("fused MLP")
+        compiled["fused MLP traced"].mlp.compiled_training = "traced"
+    return {f"{name} eager": mod for name, mod in layers.items()} | {
+        f"{name} compiled": torch.compile(mod, backend=backend) for name, mod in compiled.items()
+    }
 
 
 def step_fn(module, x, position_embeddings, dy):
@@ -221,7 +223,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="layer.json")
-    ap.add_argument("--traced", action="store_true", help="also the fused layer with traced training")
+    ap.add_argument("--traced", action="store_true", help="compile the fused layer with traced training")
     ap.add_argument("--triton-launch", action="store_true", help="also the fused layers via Triton launches")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()

@@ -28,8 +28,7 @@ def test_every_variant_trains_to_the_same_gradients(layer_step, device):
     dy = torch.randn(batch, seq, hidden)
     pos = rotary(x, torch.arange(seq).expand(batch, seq))
     mods = layer_step.variants(layer, backend="aot_eager", traced=True)
-    expected = {"transformers eager", "fused MLP eager", "transformers compiled", "fused MLP compiled"}
-    expected.add("fused MLP traced compiled")
+    expected = {"transformers eager", "fused MLP eager", "transformers compiled", "fused MLP traced compiled"}
     assert list(mods)[0] == "transformers eager" and expected <= set(mods)
     reference = None
     for name, mod in mods.items():
@@ -41,6 +40,18 @@ def test_every_variant_trains_to_the_same_gradients(layer_step, device):
         if reference is None:  # transformers eager, the first variant
             reference = got
         assert layer_step.max_relative_difference(got, reference) < 1e-5, name
+    # The traced layer is compiled in a process where the graph-break layer is not: one graph per step.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer_step.step_fn(mods["fused MLP traced compiled"], x, pos, dy)()
+    graphs = sum(e.count for e in prof.key_averages() if e.key == "CompiledFunction")
+    assert graphs == 1
+
+
+def test_without_traced_the_fused_layer_compiles_behind_its_graph_break(layer_step):
+    layer, _ = layer_step.decoder_layer(64, 136, 4, 2, 8, dtype=torch.float32)
+    mods = layer_step.variants(layer, backend="aot_eager")
+    assert "fused MLP compiled" in mods and not any("traced" in name for name in mods)
+    assert mods["fused MLP compiled"].mlp.compiled_training == "graph_break"
 
 
 def test_gradients_with_other_names_are_refused(layer_step):
