@@ -4,10 +4,11 @@
 
 The backward overwrites what the forward kept, in place, and declares it (``mutates_args``). Eagerly,
 autograd's version check then refuses a second walk of the graph. A compiled backward either copies
-the kept tensor before the op overwrites it (``aot_eager``: a second walk is correct) or, with
-inductor, takes it as a donated buffer, copies it onto itself and lets the op overwrite that memory
-(no extra memory, one extra pass over it; PyTorch then refuses ``retain_graph=True``). NOTES.md item
-44. By default training runs eagerly behind a graph break instead (functional.py).
+the kept tensor before the op overwrites it (``aot_eager``, and inductor with torch 2.11 on the H200:
+a second walk is correct; the copy costs memory and a pass over it) or, with inductor on torch 2.13
+(CPU), takes it as a donated buffer, copies it onto itself and lets the op overwrite that memory (no
+extra memory, one extra pass; PyTorch then refuses ``retain_graph=True``). NOTES.md items 44 and 45.
+By default training runs eagerly behind a graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 """
