@@ -5,13 +5,14 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fused_swiglu.kernels import glu_backward_ws as glu_backward_ws_mod
 from fused_swiglu.kernels import glu_forward_ws as glu_forward_ws_mod
 from fused_swiglu.kernels import hopper_ws, launch
-from fused_swiglu.kernels.common import Saved
+from fused_swiglu.kernels.common import Saved, cdiv, next_power_of_2
 from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
@@ -360,3 +361,13 @@ def test_activation_kernel_on_random_packed_shapes(device, rows, chunks, gate_sc
     expected = out_scale * F.silu(g) * up
     a = glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
     assert relative_error(a, expected) < 1e-6
+
+
+@given(st.integers(0, 1 << 40), st.integers(1, 1 << 20))
+def test_host_cdiv_is_tritons(a, b):
+    assert cdiv(a, b) == triton.cdiv(a, b)
+
+
+@given(st.integers(1, 1 << 40))
+def test_host_next_power_of_2_is_tritons(n):
+    assert next_power_of_2(n) == triton.next_power_of_2(n)

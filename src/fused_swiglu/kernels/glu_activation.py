@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, empty, interpreting, silu_and_slope
+from .common import CHUNK, cdiv, empty, interpreting, next_power_of_2, silu_and_slope
 from .launch import KernelLauncher
 
 
@@ -75,10 +75,10 @@ def glu_activation(
         raise ValueError("the activation pass must write a, the factors, or both")
     inter = two_inter // 2
     a = empty((m, inter), h) if write_a else None
-    block_m = 16 if interpreting() else min(16, triton.next_power_of_2(m))
+    block_m = 16 if interpreting() else min(16, next_power_of_2(m))
     block_n = 16 if interpreting() else 256
     _launch_activation(
-        (triton.cdiv(m, block_m), triton.cdiv(inter, block_n)),
+        (cdiv(m, block_m), cdiv(inter, block_n)),
         h,
         a,
         m,

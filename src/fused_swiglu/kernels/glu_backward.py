@@ -18,6 +18,7 @@ import triton.language as tl
 from .common import (
     CHUNK,
     Saved,
+    cdiv,
     descriptor,
     dot_precision,
     empty,
@@ -150,7 +151,7 @@ def glu_backward_(
     cfg = config or backward_config(m, hidden, inter, dy.dtype, not interpreting(), kind)
     width = cfg.block_n // cfg.epilogue_split
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
-    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
+    num_tiles = cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n)
     _launch_backward(
         (persistent_programs(num_tiles, dy.device, cfg.ctas_per_sm),),
         Tma(dy, (cfg.block_m, cfg.block_k)),

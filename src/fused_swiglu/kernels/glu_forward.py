@@ -22,6 +22,7 @@ import triton.language as tl
 from .common import (
     CHUNK,
     Saved,
+    cdiv,
     descriptor,
     dot_precision,
     empty,
@@ -150,7 +151,7 @@ def glu_forward(
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
-    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(inter, cfg.block_n)
+    num_tiles = cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n)
     _launch_forward(
         (persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),),
         Tma(x, (cfg.block_m, cfg.block_k)),

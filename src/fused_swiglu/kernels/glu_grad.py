@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, Saved, interpreting, pack_columns, silu_and_slope, unpack_columns
+from .common import CHUNK, Saved, cdiv, interpreting, pack_columns, silu_and_slope, unpack_columns
 from .launch import KernelLauncher
 
 
@@ -90,7 +90,7 @@ def glu_grad_(
         )
     block_m, block_n = (16, 16) if interpreting() else (32, 128)
     _launch_grad(
-        (triton.cdiv(m, block_m), triton.cdiv(inter, block_n)),
+        (cdiv(m, block_m), cdiv(inter, block_n)),
         da,
         saved,
         m,

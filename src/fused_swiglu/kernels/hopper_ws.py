@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .common import CHUNK, bind_cuda_context, persistent_programs
+from .common import CHUNK, bind_cuda_context, cdiv, persistent_programs
 
 #: Gluon is experimental and its API changes between releases (``warp_specialize`` took other
 #: arguments before 3.6), so these kernels run only on the Triton minor release they were tested with.
@@ -212,7 +212,7 @@ class WSLaunch:
 
     def programs(self, m: int, inter: int, device: torch.device) -> int:
         """The persistent grid: one program per multiprocessor, never more than there are tiles."""
-        return persistent_programs(triton.cdiv(m, self.block_m) * triton.cdiv(inter, self.block_n), device)
+        return persistent_programs(cdiv(m, self.block_m) * cdiv(inter, self.block_n), device)
 
     def meta(self) -> dict:
         """The launch arguments every warp-specialized kernel takes."""
@@ -240,8 +240,8 @@ class PingPongLaunch(WSLaunch):
     consumer_regs: int = 232
 
     def programs(self, m: int, inter: int, device: torch.device) -> int:
-        tiles = triton.cdiv(m, self.block_m) * triton.cdiv(inter, self.block_n)
-        return persistent_programs(triton.cdiv(tiles, 2), device)
+        tiles = cdiv(m, self.block_m) * cdiv(inter, self.block_n)
+        return persistent_programs(cdiv(tiles, 2), device)
 
     def meta(self) -> dict:
         return super().meta() | {"CONSUMER_REGS": self.consumer_regs, "num_warps": 4}
