@@ -98,12 +98,17 @@ def swiglu_linear_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_multipl
     return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0)
 
 
-def _start_backward(ctx) -> None:
+def refuse_double_backward() -> None:
+    """Raise inside a backward run with ``create_graph=True`` (grad mode on): it is not differentiable."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             "fused_swiglu: create_graph=True (double backward) is not supported: the backward is not "
             "differentiable. Use fused_swiglu.reference for higher-order gradients."
         )
+
+
+def _start_backward(ctx) -> None:
+    refuse_double_backward()
     if ctx.kept == Saved.NOTHING:
         return  # recompute mode: the saved inputs are untouched, walking again is fine
     if ctx.saved_buffers_consumed:

@@ -131,8 +131,8 @@ def linear_2d(x2d, gate_up_weight, gate_multiplier: float, save: str):
 
 @_on_tensor_device
 def mlp_train_forward_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
-    """The fused MLP's training forward without autograd (the traced training path, ops.py): y, the
-    saved packed tensor and ``a`` (``None`` where the save mode keeps neither)."""
+    """The fused MLP's training forward without autograd (the traced training path, training_ops.py):
+    y, the saved packed tensor and ``a`` (``None`` where the save mode keeps neither)."""
     x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
     scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
     with torch.no_grad():
@@ -154,8 +154,8 @@ def mlp_train_backward_2d_(
 
 @_on_tensor_device
 def linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save):
-    """The GLU operator's training forward without autograd (ops.py): ``a`` and the saved factors
-    (``None`` for ``"recompute"``)."""
+    """The GLU operator's training forward without autograd (training_ops.py): ``a`` and the saved
+    factors (``None`` for ``"recompute"``)."""
     x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
     with torch.no_grad():
         return linear_forward(x2d, gate_up_weight, gate_multiplier, KEPT[save])

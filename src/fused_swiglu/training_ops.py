@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import refuse_double_backward
 from .dispatch import (
     linear_train_backward_2d_,
     linear_train_forward_2d,
@@ -31,14 +32,6 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _or_none(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() else None
-
-
-def _no_double_backward() -> None:
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "fused_swiglu: create_graph=True (double backward) is not supported: the backward is not "
-            "differentiable. Use fused_swiglu.reference for higher-order gradients."
-        )
 
 
 # The MLP ---------------------------------------------------------------------------------------------
@@ -105,7 +98,7 @@ def _setup_mlp(ctx, inputs, output) -> None:
 
 
 def _mlp_backward(ctx, dy, _saved_grad, _a_grad):
-    _no_double_backward()
+    refuse_double_backward()
     needs = ctx.needs_input_grad[:3]
     grads = swiglu_mlp_train_backward(dy, *ctx.saved_tensors, *ctx.scalars, *needs)
     return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None, None
@@ -172,7 +165,7 @@ def _setup_linear(ctx, inputs, output) -> None:
 
 
 def _linear_backward(ctx, da, _factors_grad):
-    _no_double_backward()
+    refuse_double_backward()
     needs = ctx.needs_input_grad[:2]
     grads = swiglu_linear_train_backward(da, *ctx.saved_tensors, *ctx.scalars, *needs)
     return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None
