@@ -2,12 +2,13 @@
 ``torch.compile`` a training call is traced into the graph as a forward op and a backward op tied by
 ``register_autograd``, with no graph break, so ``fullgraph=True`` works.
 
-The backward overwrites what the forward kept, in place, and declares it (``mutates_args``). Eagerly,
-autograd's version check then refuses a second walk of the graph. A compiled backward either copies
-the kept tensor before the op overwrites it (``aot_eager``, and inductor with torch 2.11 on the H200:
-a second walk is correct; the copy costs memory and a pass over it) or, with inductor on torch 2.13
-(CPU), takes it as a donated buffer, copies it onto itself and lets the op overwrite that memory (no
-extra memory, one extra pass; PyTorch then refuses ``retain_graph=True``). NOTES.md items 44 and 45.
+The backward op overwrites a copy of what the forward kept and declares no mutation. Overwriting
+the kept tensor itself is wrong on a second walk of a retained graph wherever inductor hands the op
+the tensor autograd saved (a donated buffer) and PyTorch does not refuse ``retain_graph=True``: seen
+with torch 2.13 on CPU, depending on its compile cache (NOTES.md item 48; forced in
+``tests/test_traced_training.py``). The copy is the one inductor made itself on torch 2.11 (a pass
+over the kept tensor and its memory: 219 us a step and +224 MiB of peak at llama3-8b on the H200,
+item 45). The eager path (autograd.py) overwrites in place and refuses a second walk itself.
 By default training runs eagerly behind a graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
@@ -32,6 +33,11 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _or_none(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() else None
+
+
+def _copy_or_none(kept: torch.Tensor) -> torch.Tensor | None:
+    """A copy of what the forward kept, for the backward to overwrite (see the module docstring)."""
+    return kept.clone() if kept.numel() else None
 
 
 # The MLP ---------------------------------------------------------------------------------------------
@@ -61,7 +67,7 @@ def _(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     return x2d.new_empty(m, down_weight.shape[0]), saved, a
 
 
-@torch.library.custom_op("fused_swiglu::swiglu_mlp_train_backward", mutates_args=("saved",))
+@torch.library.custom_op("fused_swiglu::swiglu_mlp_train_backward", mutates_args=())
 def swiglu_mlp_train_backward(
     dy: torch.Tensor,
     x2d: torch.Tensor,
@@ -76,10 +82,10 @@ def swiglu_mlp_train_backward(
     need_dw_gate_up: bool,
     need_dw_down: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved``."""
+    """dX, the packed dW_gate_up and dW_down (empty where not needed); ``saved`` is left as it was."""
     weights = (gate_up_weight, down_weight)
     scalars = (gate_multiplier, down_multiplier, save, (need_dx, need_dw_gate_up, need_dw_down))
-    grads = mlp_train_backward_2d_(x2d, *weights, dy, _or_none(saved), _or_none(a), *scalars)
+    grads = mlp_train_backward_2d_(x2d, *weights, dy, _copy_or_none(saved), _or_none(a), *scalars)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
@@ -132,7 +138,7 @@ def _(x2d, gate_up_weight, gate_multiplier, save):
     return x2d.new_empty(m, two_inter // 2), factors
 
 
-@torch.library.custom_op("fused_swiglu::swiglu_linear_train_backward", mutates_args=("factors",))
+@torch.library.custom_op("fused_swiglu::swiglu_linear_train_backward", mutates_args=())
 def swiglu_linear_train_backward(
     da: torch.Tensor,
     x2d: torch.Tensor,
@@ -143,9 +149,9 @@ def swiglu_linear_train_backward(
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dX and the packed dW_gate_up (empty where not needed); overwrites ``factors``."""
+    """dX and the packed dW_gate_up (empty where not needed); ``factors`` is left as it was."""
     scalars = (gate_multiplier, save, (need_dx, need_dw))
-    grads = linear_train_backward_2d_(x2d, gate_up_weight, da, _or_none(factors), *scalars)
+    grads = linear_train_backward_2d_(x2d, gate_up_weight, da, _copy_or_none(factors), *scalars)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
