@@ -3,7 +3,8 @@ path, the fused inference path, or the PyTorch reference where the fused kernels
 
 Under ``torch.compile`` an inference call is traced as one custom op (ops.py); a training call runs
 eagerly behind one graph break, because its backward overwrites what the forward kept, or, with
-``compiled_training="traced"``, is traced as a pair of custom ops that declare that overwrite.
+``compiled_training="traced"``, is traced as a pair of custom ops whose backward overwrites a copy
+of what the forward kept (training_ops.py).
 """
 
 from __future__ import annotations
