@@ -5,11 +5,11 @@
 The backward op overwrites a copy of what the forward kept and declares no mutation. Overwriting
 the kept tensor itself is wrong on a second walk of a retained graph wherever inductor hands the op
 the tensor autograd saved (a donated buffer) and PyTorch does not refuse ``retain_graph=True``: seen
-with torch 2.13 on CPU, depending on its compile cache (NOTES.md item 48; forced in
-``tests/test_traced_training.py``). The copy is the one inductor made itself on torch 2.11 (a pass
-over the kept tensor and its memory: 219 us a step and +224 MiB of peak at llama3-8b on the H200,
-item 45). The eager path (autograd.py) overwrites in place and refuses a second walk itself.
-By default training runs eagerly behind a graph break instead (functional.py).
+once with torch 2.13 on a CPU machine, for a reason not found (NOTES.md item 48; forced in
+``tests/test_traced_training.py``). The copy stands in for the one inductor made itself on torch 2.11
+before an in-place op (219 us a step and +224 MiB of peak at llama3-8b on the H200, item 45); the
+op's own copy has not been timed. The eager path (autograd.py) overwrites in place and refuses a
+second walk itself. By default training runs eagerly behind a graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 """
