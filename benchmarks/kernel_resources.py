@@ -103,6 +103,7 @@ def backward_kernel(
         "dy_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
         "wd_desc": _descriptor_type([cfg.block_k, cfg.block_n], dtype),
         "s_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
+        "g_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
     }
     constants = {"SAVED": int(kind), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
     if kind == Saved.PREACT:
@@ -140,7 +141,7 @@ def warp_specialized_backward_kernel(dtype: torch.dtype, kind: Saved, target: GP
     width = c.piece_width
     a_block = [c.block_m, width] if kind == Saved.PREACT else None
     blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
-    blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": a_block}
+    blocks |= {"s_desc": [c.block_m, 2 * width], "g_desc": [c.block_m, 2 * width], "a_desc": a_block}
     constants = {"NSAVED": c.saved_buffers, "NA": max(c.a_buffers, 1)}
     return c, _compile_gluon(glu_backward_ws._glu_backward_ws_kernel, blocks, constants, c, dtype, target)
 
@@ -149,7 +150,7 @@ def ping_pong_backward_kernel(dtype: torch.dtype, kind: Saved, target: GPUTarget
     """The Gluon backward's ping-pong launch (saved factors, small hidden sizes)."""
     c = glu_backward_ws.PING_PONG
     blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
-    blocks |= {"s_desc": [c.block_m, 2 * c.piece_width]}
+    blocks |= {"s_desc": [c.block_m, 2 * c.piece_width], "g_desc": [c.block_m, 2 * c.piece_width]}
     constants = {"NSAVED": c.saved_buffers}
     return c, _compile_gluon(glu_backward_ws._glu_backward_pp_kernel, blocks, constants, c, dtype, target)
 

@@ -201,6 +201,49 @@ def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations
         glu_backward_ws_(p.dy, p.w_down, saved, kind=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
 
 
+@pytest.mark.parametrize("impl", BACKWARDS)
+@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_backward_kernel_writes_a_gradient_of_its_own(shape, dtype, device, kind, impl):
+    """Given ``grad``, the backward writes there what it writes in place, and the saved tensor stays
+    as it was (the traced backward op keeps what autograd saved)."""
+    if impl.endswith("ping-pong") and kind == Saved.PREACT:
+        pytest.skip("the ping-pong launch reads saved factors only")
+    skip_unless_runs(impl, device, dtype)
+    p = make_problem(*shape, dtype=dtype, device=device)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
+    kept, in_place = saved.clone(), saved.clone()
+    a_in_place = BACKWARDS[impl](p.dy, p.w_down, in_place, gate_scale=0.7, out_scale=1.3, kind=kind)
+    grad = torch.full_like(saved, float("nan"))
+    a = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, kind=kind, grad=grad)
+    assert torch.equal(saved, kept)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, in_place, rtol=0, atol=0)  # the same launch otherwise: bitwise
+    if kind == Saved.PREACT:
+        torch.testing.assert_close(a, a_in_place, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make_grad, message",
+    [
+        (lambda saved: saved[:, :-8].clone(), "must match the saved tensor"),
+        (lambda saved: saved.double(), "must match the saved tensor"),
+        (lambda saved: saved.t().contiguous().t(), "must match the saved tensor"),
+        (lambda saved: saved, "shares memory"),
+    ],
+    ids=["shape", "dtype", "strides", "aliased"],
+)
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_backward_kernel_refuses_a_gradient_buffer_that_does_not_fit(device, impl, make_grad, message):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    kept = saved.clone()
+    with pytest.raises(ValueError, match=message):
+        BACKWARDS[impl](
+            p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS, grad=make_grad(saved)
+        )
+    assert torch.equal(saved, kept)
+
+
 @pytest.mark.skipif(not hopper_ws.AVAILABLE, reason="the Gluon kernels need Triton 3.6")
 @pytest.mark.parametrize(
     "name, save, config",

@@ -63,14 +63,15 @@ def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, *, save: Saved, write_a: 
     return (glu_forward_split if split else glu_forward)(x, w_gate_up, save=save, write_a=write_a, **scales)
 
 
-def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, kind, **scales):
+def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, kind, grad=None, **scales):
     """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
-    plus an in-place pass (same contract)."""
+    plus a gradient pass (same contract: the gradient over ``saved``, or into ``grad``)."""
     on_gpu = not interpreting()
     if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, kind):
-        return glu_backward_ws_(dy, w_down, saved, kind=kind, **scales)
+        return glu_backward_ws_(dy, w_down, saved, kind=kind, grad=grad, **scales)
     split = gemms_on_cublas(dy.dtype, on_gpu)
-    return (glu_backward_split_ if split else glu_backward_)(dy, w_down, saved, kind=kind, **scales)
+    launch = glu_backward_split_ if split else glu_backward_
+    return launch(dy, w_down, saved, kind=kind, grad=grad, **scales)
 
 
 def _glu_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_scale: float, out_scale: float):
@@ -153,26 +154,32 @@ def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict):
     return y, saved, a if kept == Saved.FACTORS else None
 
 
-def mlp_backward_(dy, x, w_gate_up, w_down, saved, a, kept: Saved, scales: dict, needs, *, release_a: bool):
+def mlp_backward_(
+    dy, x, w_gate_up, w_down, saved, a, kept: Saved, scales: dict, needs, *, release_a: bool, keep_saved=False
+):
     """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
 
-    Overwrites ``saved`` with the packed pre-activation gradient. With ``release_a``, ``a``'s memory is
-    released once dW_down is made (the caller guarantees nothing reads ``a`` afterwards).
+    Overwrites ``saved`` with the packed pre-activation gradient, or with ``keep_saved`` writes that to
+    a buffer of its own and leaves ``saved`` as it was (the same pass, the buffer's memory more). With
+    ``release_a``, ``a``'s memory is released once dW_down is made (the caller guarantees nothing reads
+    ``a`` afterwards).
     """
     need_dx, need_dw_gate_up, need_dw_down = needs
     dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
     if kept == Saved.NOTHING:
         return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
-    recomputed = _backward_(dy, w_down, saved, kind=kept, **scales)
-    # From here on saved holds [dU | dG] in packed column order.
+    grad = empty(tuple(saved.shape), saved) if keep_saved else None
+    recomputed = _backward_(dy, w_down, saved, kind=kept, grad=grad, **scales)
+    grad_gate_up = saved if grad is None else grad  # [dU | dG] in packed column order
+    del saved, grad
     dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
     if release_a and kept == Saved.FACTORS:
         # Autograd holds saved tensors until the backward returns; release a's memory now, before
         # the two largest GEMMs allocate their outputs (the backward consumes what was saved).
         a.untyped_storage().resize_(0)
     del a, recomputed
-    dx = torch.mm(saved, w_gate_up) if need_dx else None
-    dw_gate_up = torch.mm(saved.t(), x) if need_dw_gate_up else None
+    dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
+    dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw_gate_up else None
     return dx, dw_gate_up, dw_down
 
 
@@ -202,14 +209,18 @@ def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved):
     return _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
 
 
-def linear_backward_(da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs):
+def linear_backward_(
+    da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs, *, keep_saved=False
+):
     """(dX, packed dW_gate_up), each ``None`` where ``needs`` says it is not needed; overwrites the
-    saved ``factors`` with the packed pre-activation gradient."""
+    saved ``factors`` with the packed pre-activation gradient, or with ``keep_saved`` writes that to a
+    buffer of its own and leaves ``factors`` as they were."""
     need_dx, need_dw = needs
     da = da.contiguous()
     if kept == Saved.NOTHING:
         return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, need_dx, need_dw)
-    grad_gate_up = glu_grad_(da, factors)  # in place: factors become [dU | dG]
+    grad = empty(tuple(factors.shape), factors) if keep_saved else None
+    grad_gate_up = glu_grad_(da, factors, grad=grad)  # [dU | dG], over factors unless keep_saved
     dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
     dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
     return dx, dw_gate_up

@@ -140,16 +140,16 @@ def mlp_train_forward_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down
 
 
 @_on_tensor_device
-def mlp_train_backward_2d_(
+def mlp_train_backward_2d(
     x2d, gate_up_weight, down_weight, dy, saved, a, gate_multiplier, down_multiplier, save, needs
 ):
-    """Its backward: (dX, packed dW_gate_up, dW_down), ``None`` where not needed; overwrites ``saved``."""
+    """Its backward: (dX, packed dW_gate_up, dW_down), ``None`` where not needed; ``saved`` is left as
+    it was (the gradient gets a buffer of its own)."""
     x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
     scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
+    args = (dy, x2d, gate_up_weight, down_weight, saved, a, KEPT[save], scales, needs)
     with torch.no_grad():
-        return mlp_backward_(
-            dy, x2d, gate_up_weight, down_weight, saved, a, KEPT[save], scales, needs, release_a=False
-        )
+        return mlp_backward_(*args, release_a=False, keep_saved=True)
 
 
 @_on_tensor_device
@@ -162,8 +162,10 @@ def linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save):
 
 
 @_on_tensor_device
-def linear_train_backward_2d_(x2d, gate_up_weight, da, factors, gate_multiplier, save, needs):
-    """Its backward: (dX, packed dW_gate_up), ``None`` where not needed; overwrites ``factors``."""
+def linear_train_backward_2d(x2d, gate_up_weight, da, factors, gate_multiplier, save, needs):
+    """Its backward: (dX, packed dW_gate_up), ``None`` where not needed; ``factors`` are left as they
+    were (the gradient gets a buffer of its own)."""
     x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
+    args = (da, x2d, gate_up_weight, factors, KEPT[save], gate_multiplier, needs)
     with torch.no_grad():
-        return linear_backward_(da, x2d, gate_up_weight, factors, KEPT[save], gate_multiplier, needs)
+        return linear_backward_(*args, keep_saved=True)

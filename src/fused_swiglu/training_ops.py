@@ -2,14 +2,15 @@
 ``torch.compile`` a training call is traced into the graph as a forward op and a backward op tied by
 ``register_autograd``, with no graph break, so ``fullgraph=True`` works.
 
-The backward op overwrites a copy of what the forward kept and declares no mutation. Overwriting
-the kept tensor itself is wrong on a second walk of a retained graph wherever inductor hands the op
-the tensor autograd saved (a donated buffer) and PyTorch does not refuse ``retain_graph=True``: seen
-once with torch 2.13 on a CPU machine, for a reason not found (NOTES.md item 48; forced in
-``tests/test_traced_training.py``). The copy stands in for the one inductor made itself on torch 2.11
-before an in-place op (219 us a step and +224 MiB of peak at llama3-8b on the H200, item 45); the
-op's own copy has not been timed. The eager path (autograd.py) overwrites in place and refuses a
-second walk itself. By default training runs eagerly behind a graph break instead (functional.py).
+The backward op writes the packed gradient to a buffer of its own, leaves what the forward kept as
+it was and declares no mutation. Overwriting the kept tensor itself is wrong on a second walk of a
+retained graph wherever inductor hands the op the tensor autograd saved (a donated buffer) and
+PyTorch does not refuse ``retain_graph=True``: seen once with torch 2.13 on a CPU machine, for a
+reason not found (NOTES.md item 48; forced in ``tests/test_traced_training.py``). The buffer costs
+the memory of the kept tensor, as the copy inductor made on torch 2.11 before an in-place op did
+(item 45), but not that copy's pass (not timed yet). The eager path (autograd.py) overwrites in
+place and refuses a second walk itself. By default training runs eagerly behind a graph break
+instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 """
@@ -20,9 +21,9 @@ import torch
 
 from .autograd import refuse_double_backward
 from .dispatch import (
-    linear_train_backward_2d_,
+    linear_train_backward_2d,
     linear_train_forward_2d,
-    mlp_train_backward_2d_,
+    mlp_train_backward_2d,
     mlp_train_forward_2d,
 )
 
@@ -33,11 +34,6 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _or_none(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.numel() else None
-
-
-def _copy_or_none(kept: torch.Tensor) -> torch.Tensor | None:
-    """A copy of what the forward kept, for the backward to overwrite (see the module docstring)."""
-    return kept.clone() if kept.numel() else None
 
 
 # The MLP ---------------------------------------------------------------------------------------------
@@ -85,7 +81,7 @@ def swiglu_mlp_train_backward(
     """dX, the packed dW_gate_up and dW_down (empty where not needed); ``saved`` is left as it was."""
     weights = (gate_up_weight, down_weight)
     scalars = (gate_multiplier, down_multiplier, save, (need_dx, need_dw_gate_up, need_dw_down))
-    grads = mlp_train_backward_2d_(x2d, *weights, dy, _copy_or_none(saved), _or_none(a), *scalars)
+    grads = mlp_train_backward_2d(x2d, *weights, dy, _or_none(saved), _or_none(a), *scalars)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
@@ -151,7 +147,7 @@ def swiglu_linear_train_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dX and the packed dW_gate_up (empty where not needed); ``factors`` is left as it was."""
     scalars = (gate_multiplier, save, (need_dx, need_dw))
-    grads = linear_train_backward_2d_(x2d, gate_up_weight, da, _copy_or_none(factors), *scalars)
+    grads = linear_train_backward_2d(x2d, gate_up_weight, da, _or_none(factors), *scalars)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 

@@ -52,6 +52,28 @@ def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
+def gradient_target(saved: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """Where a backward launch writes the packed gradient: over ``saved`` (``grad`` None), or into
+    ``grad``, which must match it in shape, dtype, device and strides and must not overlap it."""
+    if grad is None:
+        return saved
+    same = (grad.shape, grad.dtype, grad.device, grad.stride()) == (
+        saved.shape,
+        saved.dtype,
+        saved.device,
+        saved.stride(),
+    )
+    if not same:
+        raise ValueError(
+            f"grad must match the saved tensor: got {tuple(grad.shape)} {grad.dtype} strides "
+            f"{grad.stride()} on {grad.device}, saved is {tuple(saved.shape)} {saved.dtype} strides "
+            f"{saved.stride()} on {saved.device}"
+        )
+    if grad.untyped_storage().data_ptr() == saved.untyped_storage().data_ptr():
+        raise ValueError("grad shares memory with the saved tensor: leave grad None to write in place")
+    return grad
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

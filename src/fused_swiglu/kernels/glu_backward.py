@@ -1,12 +1,14 @@
-"""Backward stage 1: dA = dY @ W_down, tile by tile, turned into [dU | dG] in the epilogue, in place.
+"""Backward stage 1: dA = dY @ W_down, tile by tile, turned into [dU | dG] in the epilogue.
 
 dA is never written to memory: each [BM, BN] tile of it meets the saved packed tensor of the same
-rows and intermediate columns in registers, and the resulting gradients overwrite that saved tensor,
-which thereby becomes the packed grad of the gate/up pre-activation, ready for the two cuBLAS GEMMs
+rows and intermediate columns in registers, and the resulting gradients overwrite that saved tensor
+(or, given ``grad``, go to a tensor of its own, leaving the saved one as it was), which thereby
+becomes the packed grad of the gate/up pre-activation, ready for the two cuBLAS GEMMs
 dX = dGU @ W_packed and dW_packed = dGU^T @ x. With saved pre-activations the epilogue also
 recomputes ``a`` (times the down multiplier) for dW_down, so ``a`` is not kept between passes.
 
-Never autotune this kernel: a second launch would read gradients where it expects saved tensors.
+Never autotune this kernel: in place, a second launch would read gradients where it expects saved
+tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .common import (
     descriptor,
     dot_precision,
     empty,
+    gradient_target,
     interpreting,
     pack_columns,
     persistent_programs,
@@ -38,6 +41,7 @@ from .launch import KernelLauncher, Tma
 def _backward_epilogue(
     b_da,  # [BM, W] fp32: d loss / d a for intermediate columns [o_n, o_n + W)
     s_desc,
+    g_desc,
     a_desc,
     o_m,
     o_n,
@@ -60,14 +64,15 @@ def _backward_epilogue(
         b_dup = b_da * b_silu
         b_dgate = b_da * b_first * b_slope * gate_scale
         a_desc.store([o_m, o_n], (b_silu * b_first * out_scale).to(a_desc.dtype))
-    s_desc.store([o_m, 2 * o_n], pack_columns(b_dup, b_dgate, BM, 2 * W, CHUNK_).to(s_desc.dtype))
+    g_desc.store([o_m, 2 * o_n], pack_columns(b_dup, b_dgate, BM, 2 * W, CHUNK_).to(g_desc.dtype))
 
 
 @triton.jit
 def _glu_backward_kernel(
     dy_desc,  # [M, K]: grad of y, K = hidden
     wd_desc,  # [K, N]: W_down
-    s_desc,  # [M, 2N] packed: saved tensor in, packed gradient out
+    s_desc,  # [M, 2N] packed: saved tensor in
+    g_desc,  # [M, 2N] packed gradient out: s_desc's tensor (in place) or one of its own
     a_desc,  # [M, N] recomputed a (SAVED == 2), else None
     M,
     N,
@@ -99,29 +104,33 @@ def _glu_backward_kernel(
         b_acc = b_acc * out_scale  # y carries the down multiplier, so dA does too
         W: tl.constexpr = BN // EPI_SPLIT
         if EPI_SPLIT == 1:
-            _backward_epilogue(b_acc, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_)
+            _backward_epilogue(
+                b_acc, s_desc, g_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+            )
         else:
             # Column pieces, each whole packed chunks: smaller staging buffers for the saved tile.
             b_lo, b_hi = split_halves(b_acc, BM, BN)
             if EPI_SPLIT == 2:
                 _backward_epilogue(
-                    b_lo, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_lo, s_desc, g_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
                 )
                 _backward_epilogue(
-                    b_hi, s_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_hi, s_desc, g_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
                 )
             else:
                 b_0, b_1 = split_halves(b_lo, BM, BN // 2)
                 b_2, b_3 = split_halves(b_hi, BM, BN // 2)
-                _backward_epilogue(b_0, s_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_)
                 _backward_epilogue(
-                    b_1, s_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_0, s_desc, g_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
                 )
                 _backward_epilogue(
-                    b_2, s_desc, a_desc, o_m, o_n + 2 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_1, s_desc, g_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
                 )
                 _backward_epilogue(
-                    b_3, s_desc, a_desc, o_m, o_n + 3 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_2, s_desc, g_desc, a_desc, o_m, o_n + 2 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                )
+                _backward_epilogue(
+                    b_3, s_desc, g_desc, a_desc, o_m, o_n + 3 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
                 )
 
 
@@ -137,8 +146,10 @@ def glu_backward_(
     out_scale: float,
     kind: Saved,
     config: TileConfig | None = None,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Overwrite ``saved`` [M, 2I] with the packed pre-activation gradient [dU | dG], in place.
+    """Write the packed pre-activation gradient [dU | dG] over ``saved`` [M, 2I], in place, or into
+    ``grad`` (the same shape) where given, leaving ``saved`` as it was.
 
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable. Returns the recomputed
     ``out_scale * a`` [M, I] when ``kind`` is ``Saved.PREACT``, else ``None``.
@@ -157,6 +168,7 @@ def glu_backward_(
         Tma(dy, (cfg.block_m, cfg.block_k)),
         Tma(w_down, (cfg.block_k, cfg.block_n)),
         Tma(saved, (cfg.block_m, 2 * width)),
+        Tma(gradient_target(saved, grad), (cfg.block_m, 2 * width)),
         None if a is None else Tma(a, (cfg.block_m, width)),
         m,
         inter,

@@ -1,12 +1,13 @@
 """Backward stage 1 as a warp-specialized kernel (Gluon, Hopper), for saved factors or pre-activations.
 
 The same result as ``glu_backward_(...)``: dA = out_scale * dY @ W_down, tile by tile, meets the saved
-packed tile and overwrites it with [dU | dG], in place; with saved pre-activations it also writes
-the recomputed ``a`` (for dW_down). Besides the operand loader and the consumers (``hopper_ws``),
-each program has a saved-tile loader (one warp): TMA copies of the saved tile, one epilogue piece at
-a time, into ``saved_buffers`` buffers as soon as one is free, so a tile's pieces arrive during its
-main loop. The consumers then multiply each piece of dA by its saved piece, write the gradient over
-the saved piece in shared memory and store it from there by TMA.
+packed tile and overwrites it with [dU | dG], in place (or writes that to a tensor of its own, given
+``grad``); with saved pre-activations it also writes the recomputed ``a`` (for dW_down). Besides the
+operand loader and the consumers (``hopper_ws``), each program has a saved-tile loader (one warp):
+TMA copies of the saved tile, one epilogue piece at a time, into ``saved_buffers`` buffers as soon
+as one is free, so a tile's pieces arrive during its main loop. The consumers then multiply each
+piece of dA by its saved piece, write the gradient over the saved piece in shared memory and store
+it from there by TMA (through the gradient's descriptor, the saved tensor's own when in place).
 
 In the Triton kernel the warps that multiply also issue every load and wait for each saved piece at
 the start of the epilogue; here they issue none. On the H200 that measured faster than the Triton
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hopper_ws as ws
-from .common import Saved, empty
+from .common import Saved, empty, gradient_target
 from .hopper_ws import AVAILABLE, gluon_descriptor
 from .launch import KernelLauncher, Tma
 
@@ -137,7 +138,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _epilogue_piece(
-        b_da, g, s_desc, saved, a_desc, a_bufs, o_m, o_n, gate_scale, out_scale, LAG: gl.constexpr,
+        b_da, g, g_desc, saved, a_desc, a_bufs, o_m, o_n, gate_scale, out_scale, LAG: gl.constexpr,
         CHUNK_: gl.constexpr
     ):  # fmt: skip
         """Piece ``g`` of this program: ``b_da`` [BM, W] is dA for intermediate columns [o_n, o_n + W)."""
@@ -150,12 +151,12 @@ if AVAILABLE:
         mbarrier.wait(s_ready.index(idx), (g // NSAVED) & 1)
         b_saved = buf.load(packed_layout).to(gl.float32)
         b_grad, b_a = _gradient_piece(b_da, b_saved, gate_scale, out_scale, PREACT, CHUNK_)
-        buf.store(b_grad.to(s_desc.dtype))
+        buf.store(b_grad.to(g_desc.dtype))
         if PREACT:
             a_buf = a_bufs.index(g % a_bufs.type.shape[0])
             a_buf.store(b_a.to(a_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(s_desc, [o_m, 2 * o_n], buf)
+        tma.async_copy_shared_to_global(g_desc, [o_m, 2 * o_n], buf)
         if PREACT:
             tma.async_copy_shared_to_global(a_desc, [o_m, o_n], a_buf)
         # Once at most LAG pieces' stores are in flight, the saved buffer LAG pieces back is free: hand
@@ -166,7 +167,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumers(
-        s_desc, a_desc, ring, saved, a_bufs, turns, problem, gate_scale, out_scale, BN: gl.constexpr,
+        s_desc, g_desc, a_desc, ring, saved, a_bufs, turns, problem, gate_scale, out_scale, BN: gl.constexpr,
         GROUP_M: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, FIRST: gl.constexpr,
         STEP: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
@@ -205,7 +206,7 @@ if AVAILABLE:
             pieces = ws.split_pieces(acc * out_scale, BN // W)
             for p in gl.static_range(BN // W):
                 g = _epilogue_piece(
-                    pieces[p], g, s_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W, gate_scale,
+                    pieces[p], g, g_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W, gate_scale,
                     out_scale, LAG, CHUNK_
                 )  # fmt: skip
         tma.store_wait(pendings=0)
@@ -218,7 +219,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _glu_backward_ws_kernel(
-        dy_desc, wd_desc, s_desc, a_desc, M, N, K, gate_scale, out_scale, GROUP_M: gl.constexpr,
+        dy_desc, wd_desc, s_desc, g_desc, a_desc, M, N, K, gate_scale, out_scale, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, NSAVED: gl.constexpr, NA: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr,
         WORKER_REGS: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
@@ -237,6 +238,7 @@ if AVAILABLE:
                     _consumers,
                     (
                         s_desc,
+                        g_desc,
                         a_desc,
                         ring,
                         saved,
@@ -263,7 +265,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _glu_backward_pp_kernel(
-        dy_desc, wd_desc, s_desc, M, N, K, out_scale, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        dy_desc, wd_desc, s_desc, g_desc, M, N, K, out_scale, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
         NSAVED: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, WORKER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
@@ -282,13 +284,13 @@ if AVAILABLE:
             [
                 (
                     _consumers,
-                    (s_desc, None, ring, saved0, saved0[0], turn0, problem, 1.0, out_scale, BN, GROUP_M, LAG,
-                     CHUNK_, 0, 2, num_warps),
+                    (s_desc, g_desc, None, ring, saved0, saved0[0], turn0, problem, 1.0, out_scale, BN,
+                     GROUP_M, LAG, CHUNK_, 0, 2, num_warps),
                 ),
                 (
                     _consumers,
-                    (s_desc, None, ring, saved1, saved1[0], turn1, problem, 1.0, out_scale, BN, GROUP_M, LAG,
-                     CHUNK_, 1, 2, num_warps),
+                    (s_desc, g_desc, None, ring, saved1, saved1[0], turn1, problem, 1.0, out_scale, BN,
+                     GROUP_M, LAG, CHUNK_, 1, 2, num_warps),
                 ),
                 (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
                 (_saved_loader, (s_desc, saved0, problem, BN, GROUP_M, 0, 2)),
@@ -311,8 +313,10 @@ def glu_backward_ws_(
     gate_scale: float,
     out_scale: float,
     config: WSConfig | None = None,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Overwrite the saved packed [M, 2I] tensor with [dU | dG], in place (bf16/fp16, sm_90).
+    """Write [dU | dG] over the saved packed [M, 2I] tensor, in place, or into ``grad`` (the same
+    shape and strides) where given, leaving the saved tensor as it was (bf16/fp16, sm_90).
 
     Returns the recomputed ``out_scale * a`` [M, I] for saved pre-activations, ``None`` for factors.
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable.
@@ -331,6 +335,7 @@ def glu_backward_ws_(
         Tma(dy, (c.block_m, c.block_k)),
         Tma(w_down, (c.block_k, c.block_n)),
         Tma(saved, (c.block_m, 2 * width)),
+        Tma(gradient_target(saved, grad), (c.block_m, 2 * width)),
     )
     grid = (c.programs(m, inter, dy.device),)
     if isinstance(c, PingPongConfig):

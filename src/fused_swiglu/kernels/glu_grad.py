@@ -1,4 +1,5 @@
-"""The SwiGLU gradient between two GEMMs: saved packed tensor and dA -> [dU | dG], in place, one pass.
+"""The SwiGLU gradient between two GEMMs: saved packed tensor and dA -> [dU | dG], one pass, written
+over the saved tensor or into a tensor of its own.
 
 Used where dA is in memory rather than in the fused backward kernel's registers:
 
@@ -9,7 +10,7 @@ Used where dA is in memory rather than in the fused backward kernel's registers:
 * fp32 (``kernels/glu_split.py``): dA = dY @ W_down comes from cuBLAS, saved factors or saved
   pre-activations; with the latter the pass also recomputes ``a`` for dW_down, over dA's memory.
 
-It is memory-bound: read dA and the saved tensor, write the gradient over the saved tensor.
+It is memory-bound: read dA and the saved tensor, write the gradient.
 """
 
 from __future__ import annotations
@@ -18,14 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, Saved, cdiv, interpreting, pack_columns, silu_and_slope, unpack_columns
+from .common import (
+    CHUNK,
+    Saved,
+    cdiv,
+    gradient_target,
+    interpreting,
+    pack_columns,
+    silu_and_slope,
+    unpack_columns,
+)
 from .launch import KernelLauncher
 
 
 @triton.jit
 def _glu_grad_kernel(
     da_ptr,  # [M, N]: dA in; out_scale * a out when SAVED == 2
-    s_ptr,  # [M, 2N] packed saved tensor in, packed gradient out
+    s_ptr,  # [M, 2N] packed saved tensor in
+    g_ptr,  # [M, 2N] packed gradient out, with s_ptr's strides: s_ptr itself (in place) or its own
     M,
     N,
     stride_da,
@@ -62,7 +73,8 @@ def _glu_grad_kernel(
         b_silu, b_slope = silu_and_slope(b_g)
         b_grad = pack_columns(b_da * b_silu, b_da * b_up * b_slope * gate_scale, BM, 2 * BN, CHUNK_)
         tl.store(p_da, (b_silu * b_up * out_scale).to(da_ptr.dtype.element_ty), mask=m_da)
-    tl.store(p_s, b_grad.to(s_ptr.dtype.element_ty), mask=m_s)
+    p_g = g_ptr + o_rows[:, None] * stride_s + o_packed[None, :]
+    tl.store(p_g, b_grad.to(g_ptr.dtype.element_ty), mask=m_s)
 
 
 _launch_grad = KernelLauncher(_glu_grad_kernel)
@@ -75,11 +87,13 @@ def glu_grad_(
     kind: Saved = Saved.FACTORS,
     gate_scale: float = 1.0,
     out_scale: float = 1.0,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Overwrite ``saved`` [M, 2I] (packed, from the forward) with [dU | dG] for ``out_scale * da``.
+    """[dU | dG] for ``out_scale * da`` from ``saved`` [M, 2I] (packed, from the forward), written
+    over ``saved``, or into ``grad`` (the same shape and strides) where given. Returns the gradient.
 
     ``kind`` says what ``saved`` holds. With ``Saved.PREACT``, ``da`` [M, I] is overwritten with the
-    recomputed ``out_scale * a``. Returns ``saved``.
+    recomputed ``out_scale * a``.
     """
     if kind == Saved.NOTHING:
         raise ValueError("the gradient pass needs saved factors or pre-activations")
@@ -88,11 +102,13 @@ def glu_grad_(
         raise ValueError(
             f"expected row-major dA [M, I] and a packed saved [M, 2I], got {da.shape} and {saved.shape}"
         )
+    grad = gradient_target(saved, grad)
     block_m, block_n = (16, 16) if interpreting() else (32, 128)
     _launch_grad(
         (cdiv(m, block_m), cdiv(inter, block_n)),
         da,
         saved,
+        grad,
         m,
         inter,
         da.stride(0),
@@ -105,4 +121,4 @@ def glu_grad_(
         CHUNK_=CHUNK,
         num_warps=4,
     )
-    return saved
+    return grad

@@ -45,9 +45,10 @@ def glu_backward_split_(
     gate_scale: float,
     out_scale: float,
     kind: Saved,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """``glu_backward_`` with cuBLAS's dY @ W_down: ``saved`` becomes [dU | dG]; returns the
-    recomputed ``out_scale * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
+    """``glu_backward_`` with cuBLAS's dY @ W_down: [dU | dG] over ``saved`` or into ``grad``;
+    returns the recomputed ``out_scale * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
     da = torch.mm(dy, w_down)
-    glu_grad_(da, saved, kind=kind, gate_scale=gate_scale, out_scale=out_scale)
+    glu_grad_(da, saved, kind=kind, gate_scale=gate_scale, out_scale=out_scale, grad=grad)
     return da if kind == Saved.PREACT else None
