@@ -1,4 +1,4 @@
-"""Training calls as ``torch.library`` custom ops, for ``compiled_training="traced"`` (opt-in): under
+"""Training calls as custom ops (library.py), for ``compiled_training="traced"`` (opt-in): under
 ``torch.compile`` a training call is traced into the graph as a forward op and a backward op tied by
 ``register_autograd``, with no graph break, so ``fullgraph=True`` works.
 
@@ -17,8 +17,6 @@ Custom ops return tensors only, so what a save mode does not keep is returned as
 
 from __future__ import annotations
 
-import torch
-
 from .autograd import refuse_double_backward
 from .dispatch import (
     linear_train_backward_2d,
@@ -26,28 +24,21 @@ from .dispatch import (
     mlp_train_backward_2d,
     mlp_train_forward_2d,
 )
+from .library import define, register_autograd
 
 
-def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def _or_empty(t, like):
     return like.new_empty(0) if t is None else t
 
 
-def _or_none(t: torch.Tensor) -> torch.Tensor | None:
+def _or_none(t):
     return t if t.numel() else None
 
 
 # The MLP ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fused_swiglu::swiglu_mlp_train_forward", mutates_args=())
-def swiglu_mlp_train_forward(
-    x2d: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    gate_multiplier: float,
-    down_multiplier: float,
-    save: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     """y [M, H], the saved packed [M, 2I] tensor and ``a`` [M, I] (the last two empty where the save
     mode keeps neither), on validated 2-D inputs."""
     scalars = (gate_multiplier, down_multiplier, save)
@@ -55,40 +46,45 @@ def swiglu_mlp_train_forward(
     return y, _or_empty(saved, x2d), _or_empty(a, x2d)
 
 
-@swiglu_mlp_train_forward.register_fake
-def _(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     m, inter = x2d.shape[0], down_weight.shape[1]
     saved = x2d.new_empty(m, 2 * inter) if save != "recompute" else x2d.new_empty(0)
     a = x2d.new_empty(m, inter) if save == "factors" else x2d.new_empty(0)
     return x2d.new_empty(m, down_weight.shape[0]), saved, a
 
 
-@torch.library.custom_op("fused_swiglu::swiglu_mlp_train_backward", mutates_args=())
-def swiglu_mlp_train_backward(
-    dy: torch.Tensor,
-    x2d: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    saved: torch.Tensor,
-    a: torch.Tensor,
-    gate_multiplier: float,
-    down_multiplier: float,
-    save: str,
-    need_dx: bool,
-    need_dw_gate_up: bool,
-    need_dw_down: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+swiglu_mlp_train_forward = define(
+    "swiglu_mlp_train_forward(Tensor x2d, Tensor gate_up_weight, Tensor down_weight, float gate_multiplier, "
+    "float down_multiplier, str save) -> (Tensor, Tensor, Tensor)",
+    _mlp_forward,
+    _mlp_forward_fake,
+)
+
+
+def _mlp_backward_op(
+    dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs
+):
     """dX, the packed dW_gate_up and dW_down (empty where not needed); ``saved`` is left as it was."""
     weights = (gate_up_weight, down_weight)
-    scalars = (gate_multiplier, down_multiplier, save, (need_dx, need_dw_gate_up, need_dw_down))
+    scalars = (gate_multiplier, down_multiplier, save, needs)
     grads = mlp_train_backward_2d(x2d, *weights, dy, _or_none(saved), _or_none(a), *scalars)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
-@swiglu_mlp_train_backward.register_fake
-def _(dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs):
+def _mlp_backward_fake(
+    dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs
+):
     shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
     return tuple(x2d.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
+
+
+swiglu_mlp_train_backward = define(
+    "swiglu_mlp_train_backward(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, "
+    "Tensor saved, Tensor a, float gate_multiplier, float down_multiplier, str save, bool need_dx, "
+    "bool need_dw_gate_up, bool need_dw_down) -> (Tensor, Tensor, Tensor)",
+    _mlp_backward_op,
+    _mlp_backward_fake,
+)
 
 
 def _setup_mlp(ctx, inputs, output) -> None:
@@ -106,7 +102,7 @@ def _mlp_backward(ctx, dy, _saved_grad, _a_grad):
     return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None, None
 
 
-swiglu_mlp_train_forward.register_autograd(_mlp_backward, setup_context=_setup_mlp)
+register_autograd(swiglu_mlp_train_forward, _mlp_backward, _setup_mlp)
 
 
 def swiglu_mlp_training(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
@@ -118,44 +114,45 @@ def swiglu_mlp_training(x2d, gate_up_weight, down_weight, gate_multiplier, down_
 # The GLU operator ------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fused_swiglu::swiglu_linear_train_forward", mutates_args=())
-def swiglu_linear_train_forward(
-    x2d: torch.Tensor, gate_up_weight: torch.Tensor, gate_multiplier: float, save: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_forward(x2d, gate_up_weight, gate_multiplier, save):
     """``a`` [M, I] and the saved factors [M, 2I] (empty for ``"recompute"``), on validated inputs."""
     a, factors = linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save)
     return a, _or_empty(factors, x2d)
 
 
-@swiglu_linear_train_forward.register_fake
-def _(x2d, gate_up_weight, gate_multiplier, save):
+def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save):
     m, two_inter = x2d.shape[0], gate_up_weight.shape[0]
     factors = x2d.new_empty(m, two_inter) if save != "recompute" else x2d.new_empty(0)
     return x2d.new_empty(m, two_inter // 2), factors
 
 
-@torch.library.custom_op("fused_swiglu::swiglu_linear_train_backward", mutates_args=())
-def swiglu_linear_train_backward(
-    da: torch.Tensor,
-    x2d: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    factors: torch.Tensor,
-    gate_multiplier: float,
-    save: str,
-    need_dx: bool,
-    need_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+swiglu_linear_train_forward = define(
+    "swiglu_linear_train_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save) "
+    "-> (Tensor, Tensor)",
+    _linear_forward,
+    _linear_forward_fake,
+)
+
+
+def _linear_backward_op(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
     """dX and the packed dW_gate_up (empty where not needed); ``factors`` is left as it was."""
     scalars = (gate_multiplier, save, (need_dx, need_dw))
     grads = linear_train_backward_2d(x2d, gate_up_weight, da, _or_none(factors), *scalars)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
-@swiglu_linear_train_backward.register_fake
-def _(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
+def _linear_backward_fake(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
     return x2d.new_empty(x2d.shape if need_dx else (0,)), x2d.new_empty(
         gate_up_weight.shape if need_dw else (0,)
     )
+
+
+swiglu_linear_train_backward = define(
+    "swiglu_linear_train_backward(Tensor da, Tensor x2d, Tensor gate_up_weight, Tensor factors, "
+    "float gate_multiplier, str save, bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+    _linear_backward_op,
+    _linear_backward_fake,
+)
 
 
 def _setup_linear(ctx, inputs, output) -> None:
@@ -173,7 +170,7 @@ def _linear_backward(ctx, da, _factors_grad):
     return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None
 
 
-swiglu_linear_train_forward.register_autograd(_linear_backward, setup_context=_setup_linear)
+register_autograd(swiglu_linear_train_forward, _linear_backward, _setup_linear)
 
 
 def swiglu_linear_training(x2d, gate_up_weight, gate_multiplier, save):

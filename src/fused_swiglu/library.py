@@ -1,0 +1,32 @@
+"""The library's operator namespace, ``fused_swiglu::``: its custom ops (ops.py, training_ops.py) are
+defined and implemented here through ``torch.library.Library``, with fake implementations for tracing.
+
+Why not the ``torch.library.custom_op`` decorator: on every call its wrapper checks each output for
+aliasing and routes even an op with no backward through a Python autograd layer. For an op whose body
+does nothing that cost 11.6 us a call on the development machine, against 2.3 us defined here (NOTES.md
+item 49), and a compiled graph calls these ops on every step. What the decorator checks at run time
+(outputs are new tensors, inputs are not changed), ``torch.library.opcheck`` checks in the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_LIB = torch.library.Library("fused_swiglu", "DEF")
+
+
+def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Defines ``fused_swiglu::<schema>``, run by ``impl`` on every device (``impl`` picks the kernels
+    or the reference itself) and traced through ``fake``; returns the op to call."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fused_swiglu::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.fused_swiglu, name).default
+
+
+def register_autograd(op: torch._ops.OpOverload, backward: Callable, setup_context: Callable) -> None:
+    """Gives ``op`` a backward (``torch.library.register_autograd``), registered with the namespace."""
+    torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)
