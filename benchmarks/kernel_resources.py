@@ -16,6 +16,7 @@ Must run without ``TRITON_INTERPRET``: the interpreter replaces the kernels this
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -96,16 +97,21 @@ def backward_kernel(
     precision: str,
     cfg: TileConfig | None = None,
     target: GPUTarget = SM90,
+    own_grad: bool = False,
 ):
+    """In place (the eager path), or with ``own_grad`` storing into a gradient buffer of its own."""
     cfg = cfg or backward_config(m, hidden, inter, dtype, True, kind)
     width = cfg.block_n // cfg.epilogue_split
     descriptors = {
         "dy_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
         "wd_desc": _descriptor_type([cfg.block_k, cfg.block_n], dtype),
         "s_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
-        "g_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
     }
     constants = {"SAVED": int(kind), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    if own_grad:
+        descriptors["g_desc"] = descriptors["s_desc"]
+    else:
+        constants["g_desc"] = None
     if kind == Saved.PREACT:
         descriptors["a_desc"] = _descriptor_type([cfg.block_m, width], dtype)
     else:
@@ -135,22 +141,28 @@ def _compile_gluon(fn, blocks: dict, constants: dict, c: hopper_ws.WSLaunch, dty
     return triton.compile(GluonASTSource(fn, signature, constants), target=target, options=options)
 
 
-def warp_specialized_backward_kernel(dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90):
-    """The Gluon backward for one kind of saved tensor (its one config)."""
+def warp_specialized_backward_kernel(
+    dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90, own_grad: bool = False
+):
+    """The Gluon backward for one kind of saved tensor (its one config), in place or ``own_grad``."""
     c = glu_backward_ws.CONFIGS[kind]
     width = c.piece_width
     a_block = [c.block_m, width] if kind == Saved.PREACT else None
     blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
-    blocks |= {"s_desc": [c.block_m, 2 * width], "g_desc": [c.block_m, 2 * width], "a_desc": a_block}
+    blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": a_block}
+    blocks["g_desc"] = blocks["s_desc"] if own_grad else None
     constants = {"NSAVED": c.saved_buffers, "NA": max(c.a_buffers, 1)}
     return c, _compile_gluon(glu_backward_ws._glu_backward_ws_kernel, blocks, constants, c, dtype, target)
 
 
-def ping_pong_backward_kernel(dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90):
-    """The Gluon backward's ping-pong launch (saved factors, small hidden sizes)."""
+def ping_pong_backward_kernel(
+    dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90, own_grad: bool = False
+):
+    """The Gluon backward's ping-pong launch (saved factors, small hidden sizes), in place or ``own_grad``."""
     c = glu_backward_ws.PING_PONG
     blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
-    blocks |= {"s_desc": [c.block_m, 2 * c.piece_width], "g_desc": [c.block_m, 2 * c.piece_width]}
+    blocks |= {"s_desc": [c.block_m, 2 * c.piece_width]}
+    blocks["g_desc"] = blocks["s_desc"] if own_grad else None
     constants = {"NSAVED": c.saved_buffers}
     return c, _compile_gluon(glu_backward_ws._glu_backward_pp_kernel, blocks, constants, c, dtype, target)
 
@@ -242,10 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{name} M={rows} {dtype_name} {family} {save.name}"
         if not _report(label, _tile(cfg), seen[key], precision, SHARED_LIMIT[args.arch]):
             failed.append(label)
+    # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
+    for name, kind in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):
+        m, hidden, inter = SHAPES[name]
+        problem = (m, hidden, inter, torch.bfloat16, kind, "tf32")
+        cfg, kernel = backward_kernel(*problem, target=target, own_grad=True)
+        label = f"{name} M={m} bfloat16 backward {kind.name} (own grad)"
+        if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
+            failed.append(label)
     if args.arch == 90 and hopper_ws.AVAILABLE:  # wgmma: Hopper only
         gluon_kernels = [(warp_specialized_forward_kernel, "forward", save) for save in Saved]
         gluon_kernels += [(warp_specialized_backward_kernel, "backward", k) for k in glu_backward_ws.CONFIGS]
         gluon_kernels += [(ping_pong_backward_kernel, "backward ping-pong", Saved.FACTORS)]
+        own_grad = functools.partial(warp_specialized_backward_kernel, own_grad=True)
+        gluon_kernels += [(own_grad, "backward own grad", k) for k in glu_backward_ws.CONFIGS]
+        own_grad_pp = functools.partial(ping_pong_backward_kernel, own_grad=True)
+        gluon_kernels += [(own_grad_pp, "backward ping-pong own grad", Saved.FACTORS)]
         for (build, family, save), dtype in itertools.product(gluon_kernels, (torch.bfloat16, torch.float16)):
             c, kernel = build(dtype, save, target)
             tile = f"{c.block_m}x{c.block_n}x{c.block_k} s{c.stages} e{c.pieces}"

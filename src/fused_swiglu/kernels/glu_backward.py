@@ -64,7 +64,11 @@ def _backward_epilogue(
         b_dup = b_da * b_silu
         b_dgate = b_da * b_first * b_slope * gate_scale
         a_desc.store([o_m, o_n], (b_silu * b_first * out_scale).to(a_desc.dtype))
-    g_desc.store([o_m, 2 * o_n], pack_columns(b_dup, b_dgate, BM, 2 * W, CHUNK_).to(g_desc.dtype))
+    b_grad = pack_columns(b_dup, b_dgate, BM, 2 * W, CHUNK_).to(s_desc.dtype)
+    if g_desc is None:  # in place
+        s_desc.store([o_m, 2 * o_n], b_grad)
+    else:
+        g_desc.store([o_m, 2 * o_n], b_grad)
 
 
 @triton.jit
@@ -72,7 +76,7 @@ def _glu_backward_kernel(
     dy_desc,  # [M, K]: grad of y, K = hidden
     wd_desc,  # [K, N]: W_down
     s_desc,  # [M, 2N] packed: saved tensor in
-    g_desc,  # [M, 2N] packed gradient out: s_desc's tensor (in place) or one of its own
+    g_desc,  # [M, 2N] packed gradient out, or None: over the saved tensor (in place)
     a_desc,  # [M, N] recomputed a (SAVED == 2), else None
     M,
     N,
@@ -168,7 +172,7 @@ def glu_backward_(
         Tma(dy, (cfg.block_m, cfg.block_k)),
         Tma(w_down, (cfg.block_k, cfg.block_n)),
         Tma(saved, (cfg.block_m, 2 * width)),
-        Tma(gradient_target(saved, grad), (cfg.block_m, 2 * width)),
+        None if grad is None else Tma(gradient_target(saved, grad), (cfg.block_m, 2 * width)),
         None if a is None else Tma(a, (cfg.block_m, width)),
         m,
         inter,

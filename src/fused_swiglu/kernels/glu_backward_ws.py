@@ -7,7 +7,7 @@ operand loader and the consumers (``hopper_ws``), each program has a saved-tile 
 TMA copies of the saved tile, one epilogue piece at a time, into ``saved_buffers`` buffers as soon
 as one is free, so a tile's pieces arrive during its main loop. The consumers then multiply each
 piece of dA by its saved piece, write the gradient over the saved piece in shared memory and store
-it from there by TMA (through the gradient's descriptor, the saved tensor's own when in place).
+it from there by TMA (through the saved tensor's descriptor in place, else the gradient's).
 
 In the Triton kernel the warps that multiply also issue every load and wait for each saved piece at
 the start of the epilogue; here they issue none. On the H200 that measured faster than the Triton
@@ -138,7 +138,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _epilogue_piece(
-        b_da, g, g_desc, saved, a_desc, a_bufs, o_m, o_n, gate_scale, out_scale, LAG: gl.constexpr,
+        b_da, g, s_desc, g_desc, saved, a_desc, a_bufs, o_m, o_n, gate_scale, out_scale, LAG: gl.constexpr,
         CHUNK_: gl.constexpr
     ):  # fmt: skip
         """Piece ``g`` of this program: ``b_da`` [BM, W] is dA for intermediate columns [o_n, o_n + W)."""
@@ -151,12 +151,15 @@ if AVAILABLE:
         mbarrier.wait(s_ready.index(idx), (g // NSAVED) & 1)
         b_saved = buf.load(packed_layout).to(gl.float32)
         b_grad, b_a = _gradient_piece(b_da, b_saved, gate_scale, out_scale, PREACT, CHUNK_)
-        buf.store(b_grad.to(g_desc.dtype))
+        buf.store(b_grad.to(s_desc.dtype))
         if PREACT:
             a_buf = a_bufs.index(g % a_bufs.type.shape[0])
             a_buf.store(b_a.to(a_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(g_desc, [o_m, 2 * o_n], buf)
+        if g_desc is None:  # in place
+            tma.async_copy_shared_to_global(s_desc, [o_m, 2 * o_n], buf)
+        else:
+            tma.async_copy_shared_to_global(g_desc, [o_m, 2 * o_n], buf)
         if PREACT:
             tma.async_copy_shared_to_global(a_desc, [o_m, o_n], a_buf)
         # Once at most LAG pieces' stores are in flight, the saved buffer LAG pieces back is free: hand
@@ -206,8 +209,8 @@ if AVAILABLE:
             pieces = ws.split_pieces(acc * out_scale, BN // W)
             for p in gl.static_range(BN // W):
                 g = _epilogue_piece(
-                    pieces[p], g, g_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W, gate_scale,
-                    out_scale, LAG, CHUNK_
+                    pieces[p], g, s_desc, g_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W,
+                    gate_scale, out_scale, LAG, CHUNK_
                 )  # fmt: skip
         tma.store_wait(pendings=0)
 
@@ -335,7 +338,7 @@ def glu_backward_ws_(
         Tma(dy, (c.block_m, c.block_k)),
         Tma(w_down, (c.block_k, c.block_n)),
         Tma(saved, (c.block_m, 2 * width)),
-        Tma(gradient_target(saved, grad), (c.block_m, 2 * width)),
+        None if grad is None else Tma(gradient_target(saved, grad), (c.block_m, 2 * width)),
     )
     grid = (c.programs(m, inter, dy.device),)
     if isinstance(c, PingPongConfig):
