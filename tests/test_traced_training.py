@@ -59,63 +59,124 @@ def walk_twice(y, seed, leaves):
     return first, [t.grad for t in leaves]
 
 
+#: The library's refusal of a second walk, or PyTorch's own where inductor donated the saved buffers.
+SECOND_WALK_REFUSED = "already walked backward once|retain_graph=False"
+
+
+def mlp_or_glu(p, glu, save):
+    """The traced MLP or GLU call on ``p``, its backward seed and fresh leaves."""
+    if glu:
+        fn, seed = (lambda x, w: swiglu_linear(x, w, save=save, compiled_training="traced")), p.da
+        return fn, seed, [t.detach().requires_grad_() for t in (p.x, p.w_gate_up)]
+    fn, seed = (lambda x, w, wd: swiglu_mlp(x, w, wd, save=save, compiled_training="traced")), p.dy
+    return fn, seed, [t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down)]
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 @pytest.mark.parametrize("save", ["factors", "preact"])
-def test_traced_second_backward_is_correct_or_refused(device, save, backend):
-    """A retained graph walked twice gives the same gradients, or PyTorch refuses ``retain_graph=True``
-    up front (inductor, where it compiled the backward with donated buffers)."""
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+def test_traced_second_backward_is_refused(device, save, backend, glu):
+    """The backward overwrote what the forward kept, so a second walk of a retained graph raises."""
+    if glu and save == "preact":
+        pytest.skip("the GLU operator keeps the factors or nothing")
     torch._dynamo.reset()
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    traced = torch.compile(
-        lambda x, w, wd: swiglu_mlp(x, w, wd, save=save, compiled_training="traced"), backend=backend
-    )
-    leaves = [t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down)]
-    y = traced(*leaves)
-    try:
-        first, second = walk_twice(y, p.dy, leaves)
-    except RuntimeError as refusal:
-        assert backend == "inductor" and "retain_graph=False" in str(refusal)
-        return
-    for g, f in zip(second, first, strict=True):
-        assert torch.equal(g, f)
+    fn, seed, leaves = mlp_or_glu(p, glu, save)
+    y = torch.compile(fn, backend=backend)(*leaves)
+    with pytest.raises(RuntimeError, match=SECOND_WALK_REFUSED):
+        walk_twice(y, seed, leaves)
 
 
 @pytest.mark.parametrize("save", ["factors", "preact"])
 @pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
 @NEEDS_INDUCTOR
-def test_traced_retained_graph_is_correct_where_pytorch_does_not_refuse(device, save, glu):
-    """The backward op must not write into what autograd saved: inductor can hand it the saved tensor
-    itself (a donated buffer) without PyTorch refusing the retained graph (seen once in CI with torch
-    2.13; why there and not elsewhere was not found). Forced here: a backward compiled with donated
-    buffers, then PyTorch's refusal switched off, then a retained graph walked twice."""
+def test_traced_second_backward_is_refused_where_pytorch_does_not_refuse(device, save, glu):
+    """Inductor can hand the backward op the saved tensor itself (a donated buffer) without PyTorch
+    refusing the retained graph (seen once in CI with torch 2.13; why there and not elsewhere was not
+    found). Forced here: a backward compiled with donated buffers, then PyTorch's refusal switched off,
+    then a retained graph walked twice: the library refuses the second walk itself."""
     if glu and save == "preact":
         pytest.skip("the GLU operator keeps the factors or nothing")
     torch._dynamo.reset()
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    if glu:
-        fn, seed = (lambda x, w: swiglu_linear(x, w, save=save, compiled_training="traced")), p.da
-        leaves = [t.detach().requires_grad_() for t in (p.x, p.w_gate_up)]
-    else:
-        fn, seed = (lambda x, w, wd: swiglu_mlp(x, w, wd, save=save, compiled_training="traced")), p.dy
-        leaves = [t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down)]
+    fn, seed, leaves = mlp_or_glu(p, glu, save)
     traced = torch.compile(fn, backend="inductor")
     traced(*leaves).backward(seed)  # compiles the backward, with donated buffers where inductor takes them
-    for t in leaves:
-        t.grad = None
     y = traced(*leaves)
-    with torch._functorch.config.patch(donated_buffer=False):
-        first, second = walk_twice(y, seed, leaves)
-    for g, f in zip(second, first, strict=True):
+    refused = pytest.raises(RuntimeError, match="already walked backward once")
+    with torch._functorch.config.patch(donated_buffer=False), refused:
+        walk_twice(y, seed, leaves)
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+def test_ops_called_eagerly_refuse_a_second_walk(device, glu):
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.detach().requires_grad_()
+    if glu:
+        y, seed = training_ops.swiglu_linear_training(x, p.w_gate_up, 1.0, "factors"), p.da
+    else:
+        y, seed = training_ops.swiglu_mlp_training(x, p.w_gate_up, p.w_down, 1.0, 1.0, "factors"), p.dy
+    with pytest.raises(RuntimeError, match="already walked backward once"):
+        walk_twice(y, seed, [x])
+
+
+def copy_saved_tensors():
+    """Saved-tensor hooks that hand the backward a copy of each saved tensor, as offloading does."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("save", ["factors", "preact"])
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+def test_traced_backward_reads_a_hooked_copy_without_overwriting_it(device, save, backend, glu):
+    """A saved tensor that saved-tensor hooks copied is not the one the forward issued: the backward
+    gives it a gradient buffer of its own, so the results are the eager fused step's and a retained
+    graph walked twice gives the same gradients."""
+    if glu and save == "preact":
+        pytest.skip("the GLU operator keeps the factors or nothing")
+    torch._dynamo.reset()
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    fn, seed, leaves = mlp_or_glu(p, glu, save)
+    if backend is None:  # the ops called eagerly
+        traced = (
+            (lambda x, w: training_ops.swiglu_linear_training(x, w, 1.0, save))
+            if glu
+            else (lambda x, w, wd: training_ops.swiglu_mlp_training(x, w, wd, 1.0, 1.0, save))
+        )
+    else:
+        traced = torch.compile(fn, backend=backend)
+    eager_leaves = [t.detach().requires_grad_() for t in leaves]
+    (swiglu_linear if glu else swiglu_mlp)(*eager_leaves, save=save).backward(seed)
+    with copy_saved_tensors():
+        y = traced(*leaves)
+    first, second = walk_twice(y, seed, leaves)
+    for f, g, e in zip(first, second, eager_leaves, strict=True):
+        assert torch.isfinite(f).all()
+        assert relative_error(f, e.grad) < 1e-6
         assert torch.equal(g, f)
 
 
-def test_ops_called_eagerly_walk_a_retained_graph_twice(device):
-    """The backward op leaves what the forward kept as it was, so a second walk is correct."""
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+@pytest.mark.parametrize("save", ["factors", "preact"])
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+def test_traced_backward_overwrites_what_the_forward_kept(device, save, backend, glu, monkeypatch):
+    """No gradient buffer of its own in a plain traced step: the backward overwrites in place."""
+    if glu and save == "preact":
+        pytest.skip("the GLU operator keeps the factors or nothing")
+    torch._dynamo.reset()
+    name = "linear_train_backward_2d" if glu else "mlp_train_backward_2d"
+    backward, modes = getattr(training_ops, name), []
+
+    def spy(*args, in_place):
+        modes.append(in_place)
+        return backward(*args, in_place=in_place)
+
+    monkeypatch.setattr(training_ops, name, spy)
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    x = p.x.detach().requires_grad_()
-    y = training_ops.swiglu_mlp_training(x, p.w_gate_up, p.w_down, 1.0, 1.0, "factors")
-    first, second = walk_twice(y, p.dy, [x])
-    assert torch.equal(first[0], second[0])
+    fn, seed, leaves = mlp_or_glu(p, glu, save)
+    for _ in range(2):
+        torch.compile(fn, backend=backend)(*leaves).backward(seed)
+    assert modes == [True, True]
 
 
 def test_traced_double_backward_raises(device):
@@ -201,14 +262,6 @@ def test_traced_glu_step_matches_the_eager_fused_step(device, save, backend):
         assert relative_error(g, e) < 1e-6, name
 
 
-def test_glu_ops_called_eagerly_walk_a_retained_graph_twice(device):
-    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    x = p.x.detach().requires_grad_()
-    a = training_ops.swiglu_linear_training(x, p.w_gate_up, 1.0, "factors")
-    first, second = walk_twice(a, p.da, [x])
-    assert torch.equal(first[0], second[0])
-
-
 def test_traced_glu_module(device):
     torch._dynamo.reset()
     glu = SwiGLULinear(40, 72, compiled_training="traced", device=device)
@@ -223,12 +276,14 @@ def test_traced_glu_module(device):
 @pytest.mark.parametrize("save", SAVES)
 def test_training_ops_pass_opcheck(device, save):
     """Schema (no input changed by any op), fake implementations, autograd registration and AOT
-    dispatch of the training ops, by torch's own checker."""
+    dispatch of the training ops, by torch's own checker. The backward ops get copies of what the
+    forward kept: the forward's own may be overwritten once (single_use.py), and the checker calls
+    each op several times."""
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x, w, wd = (t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down))
     scalars = (0.5, 2.0, save)
     _, saved, a = training_ops.swiglu_mlp_train_forward(x, w, wd, *scalars)
-    backward_args = (p.dy, p.x, p.w_gate_up, p.w_down, saved.detach(), a.detach(), *scalars, True, True, True)
+    backward_args = (p.dy, p.x, p.w_gate_up, p.w_down, saved.clone(), a.clone(), *scalars, True, True, True)
     checks = [
         (training_ops.swiglu_mlp_train_forward, (x, w, wd, *scalars)),
         (training_ops.swiglu_mlp_train_backward, backward_args),
@@ -239,7 +294,7 @@ def test_training_ops_pass_opcheck(device, save):
             (training_ops.swiglu_linear_train_forward, (x, w, 0.5, save)),
             (
                 training_ops.swiglu_linear_train_backward,
-                (p.da, p.x, p.w_gate_up, factors.detach(), 0.5, save, True, False),
+                (p.da, p.x, p.w_gate_up, factors.clone(), 0.5, save, True, False),
             ),
         ]
     for op, args in checks:

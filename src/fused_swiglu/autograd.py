@@ -113,12 +113,17 @@ def _start_backward(ctx) -> None:
     if ctx.kept == Saved.NOTHING:
         return  # recompute mode: the saved inputs are untouched, walking again is fine
     if ctx.saved_buffers_consumed:
-        raise RuntimeError(
-            "fused_swiglu: this graph was already walked backward once. Its saved activations were "
-            "overwritten in place by that backward, so a second backward (retain_graph=True) would be "
-            "wrong. Run the forward again, or use save='recompute', which keeps nothing to overwrite."
-        )
+        refuse_second_walk()
     ctx.saved_buffers_consumed = True
+
+
+def refuse_second_walk() -> None:
+    """Raise in a backward whose saved activations an earlier walk of the graph overwrote."""
+    raise RuntimeError(
+        "fused_swiglu: this graph was already walked backward once. Its saved activations were "
+        "overwritten in place by that backward, so a second backward (retain_graph=True) would be "
+        "wrong. Run the forward again, or use save='recompute', which keeps nothing to overwrite."
+    )
 
 
 class SwiGLUMLPFunction(torch.autograd.Function):

@@ -87,11 +87,11 @@ def _on_tensor_device(fn):
     forward. Autograd already runs the backward with the tensors' device current."""
 
     @functools.wraps(fn)
-    def call(x2d, *args):
+    def call(x2d, *args, **kwargs):
         if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
             with torch.cuda.device(x2d.device):
-                return fn(x2d, *args)
-        return fn(x2d, *args)
+                return fn(x2d, *args, **kwargs)
+        return fn(x2d, *args, **kwargs)
 
     return call
 
@@ -141,15 +141,17 @@ def mlp_train_forward_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down
 
 @_on_tensor_device
 def mlp_train_backward_2d(
-    x2d, gate_up_weight, down_weight, dy, saved, a, gate_multiplier, down_multiplier, save, needs
+    x2d, gate_up_weight, down_weight, dy, saved, a, gate_multiplier, down_multiplier, save, needs, *, in_place
 ):
-    """Its backward: (dX, packed dW_gate_up, dW_down), ``None`` where not needed; ``saved`` is left as
-    it was (the gradient gets a buffer of its own)."""
+    """Its backward: (dX, packed dW_gate_up, dW_down), ``None`` where not needed. With ``in_place`` it
+    overwrites ``saved`` (the caller guarantees nothing reads it again), else the gradient gets a buffer
+    of its own. ``a`` is left as it was: the compiler sees it as the forward op's output, and whatever
+    reads it later would read freed memory if it were released (a crash, not an error)."""
     x2d, gate_up_weight, down_weight = tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight)
     scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
     args = (dy, x2d, gate_up_weight, down_weight, saved, a, KEPT[save], scales, needs)
     with torch.no_grad():
-        return mlp_backward_(*args, release_a=False, keep_saved=True)
+        return mlp_backward_(*args, release_a=False, keep_saved=not in_place)
 
 
 @_on_tensor_device
@@ -162,10 +164,10 @@ def linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save):
 
 
 @_on_tensor_device
-def linear_train_backward_2d(x2d, gate_up_weight, da, factors, gate_multiplier, save, needs):
-    """Its backward: (dX, packed dW_gate_up), ``None`` where not needed; ``factors`` are left as they
-    were (the gradient gets a buffer of its own)."""
+def linear_train_backward_2d(x2d, gate_up_weight, da, factors, gate_multiplier, save, needs, *, in_place):
+    """Its backward: (dX, packed dW_gate_up), ``None`` where not needed. With ``in_place`` it overwrites
+    ``factors``; else the gradient gets a buffer of its own and ``factors`` are left as they were."""
     x2d, gate_up_weight = tma_ready(x2d), tma_ready(gate_up_weight)
     args = (da, x2d, gate_up_weight, factors, KEPT[save], gate_multiplier, needs)
     with torch.no_grad():
-        return linear_backward_(*args, keep_saved=True)
+        return linear_backward_(*args, keep_saved=not in_place)

@@ -2,22 +2,21 @@
 ``torch.compile`` a training call is traced into the graph as a forward op and a backward op tied by
 ``register_autograd``, with no graph break, so ``fullgraph=True`` works.
 
-The backward op writes the packed gradient to a buffer of its own, leaves what the forward kept as
-it was and declares no mutation. Overwriting the kept tensor itself is wrong on a second walk of a
-retained graph wherever inductor hands the op the tensor autograd saved (a donated buffer) and
-PyTorch does not refuse ``retain_graph=True``: seen once with torch 2.13 on a CPU machine, for a
-reason not found (NOTES.md item 48; forced in ``tests/test_traced_training.py``). The buffer costs
-the memory of the kept tensor, as the copy inductor made on torch 2.11 before an in-place op did
-(item 45), but not that copy's pass (not timed yet). The eager path (autograd.py) overwrites in
-place and refuses a second walk itself. By default training runs eagerly behind a graph break
-instead (functional.py).
+The backward op overwrites what the forward kept with the packed gradient, as the eager backward does,
+yet declares no mutation: declared, the compiler copies the kept tensor first (torch 2.11), or where it
+hands the op the tensor autograd saved (a donated buffer) a retained graph walked twice came out wrong
+without a refusal (torch 2.13, NOTES.md item 48). Undeclared, the overwrite is made safe by a ledger
+(single_use.py): the forward op issues its kept storage, the backward op overwrites it only if issued
+and unspent, refuses a second walk, and gives a copy made by saved-tensor hooks a gradient buffer of
+its own. By default training runs eagerly behind a graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 """
 
 from __future__ import annotations
 
-from .autograd import refuse_double_backward
+from . import single_use
+from .autograd import refuse_double_backward, refuse_second_walk
 from .dispatch import (
     linear_train_backward_2d,
     linear_train_forward_2d,
@@ -35,6 +34,24 @@ def _or_none(t):
     return t if t.numel() else None
 
 
+def _issue(kept):
+    """``kept``, issued to the backward op to overwrite once (nothing to issue where it is empty)."""
+    if kept.numel():
+        single_use.issue(kept)
+    return kept
+
+
+def _spend(kept) -> bool:
+    """Whether the backward op may overwrite ``kept``: the forward op's own, not walked before. Refuses
+    a second walk; a tensor the forward did not make (e.g. a saved-tensor hook's copy) is read only."""
+    if not kept.numel():
+        return False
+    ticket = single_use.spend(kept)
+    if ticket is single_use.Ticket.SPENT:
+        refuse_second_walk()
+    return ticket is single_use.Ticket.UNSPENT
+
+
 # The MLP ---------------------------------------------------------------------------------------------
 
 
@@ -43,7 +60,7 @@ def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multipl
     mode keeps neither), on validated 2-D inputs."""
     scalars = (gate_multiplier, down_multiplier, save)
     y, saved, a = mlp_train_forward_2d(x2d, gate_up_weight, down_weight, *scalars)
-    return y, _or_empty(saved, x2d), _or_empty(a, x2d)
+    return y, _issue(_or_empty(saved, x2d)), _or_empty(a, x2d)
 
 
 def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
@@ -64,10 +81,12 @@ swiglu_mlp_train_forward = define(
 def _mlp_backward_op(
     dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs
 ):
-    """dX, the packed dW_gate_up and dW_down (empty where not needed); ``saved`` is left as it was."""
+    """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved`` where the
+    ledger allows it."""
     weights = (gate_up_weight, down_weight)
     scalars = (gate_multiplier, down_multiplier, save, needs)
-    grads = mlp_train_backward_2d(x2d, *weights, dy, _or_none(saved), _or_none(a), *scalars)
+    kept = (_or_none(saved), _or_none(a))
+    grads = mlp_train_backward_2d(x2d, *weights, dy, *kept, *scalars, in_place=_spend(saved))
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
@@ -117,7 +136,7 @@ def swiglu_mlp_training(x2d, gate_up_weight, down_weight, gate_multiplier, down_
 def _linear_forward(x2d, gate_up_weight, gate_multiplier, save):
     """``a`` [M, I] and the saved factors [M, 2I] (empty for ``"recompute"``), on validated inputs."""
     a, factors = linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save)
-    return a, _or_empty(factors, x2d)
+    return a, _issue(_or_empty(factors, x2d))
 
 
 def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save):
@@ -135,9 +154,11 @@ swiglu_linear_train_forward = define(
 
 
 def _linear_backward_op(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
-    """dX and the packed dW_gate_up (empty where not needed); ``factors`` is left as it was."""
+    """dX and the packed dW_gate_up (empty where not needed); overwrites ``factors`` where the ledger
+    allows it."""
     scalars = (gate_multiplier, save, (need_dx, need_dw))
-    grads = linear_train_backward_2d(x2d, gate_up_weight, da, _or_none(factors), *scalars)
+    in_place = _spend(factors)
+    grads = linear_train_backward_2d(x2d, gate_up_weight, da, _or_none(factors), *scalars, in_place=in_place)
     return tuple(_or_empty(g, x2d) for g in grads)
 
 
