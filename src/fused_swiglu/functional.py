@@ -3,8 +3,8 @@ path, the fused inference path, or the PyTorch reference where the fused kernels
 
 Under ``torch.compile`` an inference call is traced as one custom op (ops.py); a training call runs
 eagerly behind one graph break, because its backward overwrites what the forward kept, or, with
-``compiled_training="traced"``, is traced as a pair of custom ops whose backward writes the gradient
-to a buffer of its own (training_ops.py).
+``compiled_training="traced"``, is traced as a pair of custom ops whose backward overwrites it too,
+once, guarded by a ledger the compiler does not see (training_ops.py, single_use.py).
 """
 
 from __future__ import annotations
@@ -172,9 +172,10 @@ def swiglu_mlp(
             the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
         compiled_training: how a training call runs under ``torch.compile``: ``"graph_break"``
             (default) runs it eagerly behind one graph break; ``"traced"`` traces it into the graph as
-            two custom ops (no break, ``fullgraph=True`` works), whose backward writes the gradient to a
-            buffer of its own instead of over what the forward kept. Outside ``torch.compile`` it
-            changes nothing.
+            two custom ops (no break, ``fullgraph=True`` works), whose backward overwrites what the
+            forward kept, as the eager one does; ``"factors"`` then peaks ``a`` higher (intermediate
+            elements per token), which the eager backward releases early. Outside ``torch.compile``
+            it changes nothing.
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.

@@ -8,7 +8,9 @@ hands the op the tensor autograd saved (a donated buffer) a retained graph walke
 without a refusal (torch 2.13, NOTES.md item 48). Undeclared, the overwrite is made safe by a ledger
 (single_use.py): the forward op issues its kept storage, the backward op overwrites it only if issued
 and unspent, refuses a second walk, and gives a copy made by saved-tensor hooks a gradient buffer of
-its own. By default training runs eagerly behind a graph break instead (functional.py).
+its own. Unlike the eager backward it does not release ``a`` early (``"factors"``): ``a`` is an output
+the compiler sees, and anything reading it after a release would read freed memory. By default
+training runs eagerly behind a graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 """
