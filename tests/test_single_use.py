@@ -53,3 +53,11 @@ def test_the_ledger_keeps_nothing_alive_and_drops_dead_entries():
         single_use.issue(torch.randn(3))
     assert len(single_use._LEDGER) <= 2 * (len(alive) + 1) + 1
     assert all(single_use.spend(t) is Ticket.UNSPENT for t in alive)
+
+
+def test_a_new_storage_never_passes_for_a_dead_issued_one():
+    """While its entry is held, no new storage takes a dead issued storage's address (the key)."""
+    kept = torch.randn(6, 8)
+    single_use.issue(kept)
+    del kept
+    assert all(single_use.spend(torch.randn(6, 8)) is Ticket.FOREIGN for _ in range(500))

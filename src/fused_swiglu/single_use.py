@@ -2,9 +2,9 @@
 
 The traced ops (training_ops.py) are functional to the compiler: the backward op declares no mutation.
 Yet overwriting the kept tensor in place is what keeps the traced step's memory at the eager step's
-(a gradient buffer of its own cost the kept tensor's size more: NOTES.md item 51). This ledger makes
-the overwrite safe. The forward op issues its kept tensor's storage; the backward op spends it, and
-only a storage issued and not yet spent is overwritten:
+(a gradient buffer of its own cost the kept tensor's size more: NOTES.md items 50 and 51). This
+ledger makes the overwrite safe. The forward op issues its kept tensor's storage; the backward op
+spends it, and only a storage issued and not yet spent is overwritten:
 
 - a second walk of a retained graph finds its storage spent, and is refused;
 - a tensor that is not the one the forward made (a copy from saved-tensor hooks such as
