@@ -303,8 +303,12 @@ def test_training_ops_pass_opcheck(device, save):
 
 
 @NEEDS_INDUCTOR
-def test_bench_compiled_fused_impl_trains_like_the_eager_one(device):
-    """``bench``'s ``fused-compiled``: the fused module under torch.compile with traced training."""
+@pytest.mark.parametrize(
+    "compiled, eager", [("fused-compiled", "fused-factors"), ("fused-compiled-preact", "fused-preact")]
+)
+def test_bench_compiled_fused_impl_trains_like_the_eager_one(device, compiled, eager):
+    """``bench``'s ``fused-compiled`` (and ``-preact``): the fused module under torch.compile with
+    traced training, in that save mode."""
     from fused_swiglu.bench.impls import EagerSwiGLUMLP, build_impl
 
     torch._dynamo.reset()
@@ -312,13 +316,13 @@ def test_bench_compiled_fused_impl_trains_like_the_eager_one(device):
     x = torch.randn(37, 40, device=device, requires_grad=True)
     dy = torch.randn(37, 40, device=device)
     grads = {}
-    for name in ("fused-factors", "fused-compiled"):
+    for name in (eager, compiled):
         impl = build_impl(name, reference, x, dy)
         for t in impl.params:
             t.grad = None
         impl.step()
         grads[name] = [t.grad.clone() for t in impl.params]
-    for got, want in zip(grads["fused-compiled"], grads["fused-factors"], strict=True):
+    for got, want in zip(grads[compiled], grads[eager], strict=True):
         assert relative_error(got, want) < 1e-6
 
 

@@ -28,6 +28,9 @@ IMPL_NAMES = (
     "liger",
     "flash-swiglu-mlp",
 )
+#: On request only (``--impls``): the traced module with pre-activations kept, the mode that peaks as
+#: its eager step when traced (the traced ``factors`` step holds ``a`` through the backward).
+EXTRA_IMPL_NAMES = ("fused-compiled-preact",)
 
 
 class EagerSwiGLUMLP(nn.Module):
@@ -128,8 +131,9 @@ def build_impl(name: str, reference: EagerSwiGLUMLP, x: torch.Tensor, dy: torch.
     if name == "floor":
         floor = GemmFloor(x, SwiGLUMLP.from_mlp(reference).gate_up_proj, reference.down_proj.weight, dy)
         return Impl(name, floor.forward, floor.step, measures_memory=False)
-    if name == "fused-compiled":
-        module = SwiGLUMLP.from_mlp(reference, compiled_training="traced")
+    if name.startswith("fused-compiled"):
+        save = name.removeprefix("fused-compiled").removeprefix("-") or "factors"
+        module = SwiGLUMLP.from_mlp(reference, save=save, compiled_training="traced")
         return _module_impl(name, torch.compile(module, dynamic=False), x, dy)
     if name.startswith("fused-"):
         return _module_impl(name, SwiGLUMLP.from_mlp(reference, save=name.removeprefix("fused-")), x, dy)

@@ -11,7 +11,7 @@ from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
-from .impls import IMPL_NAMES
+from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
 from .report import provenance, shape_table, write_json, write_markdown, write_plots
 
@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--impls",
         nargs="*",
         default=list(IMPL_NAMES),
-        choices=list(IMPL_NAMES),
+        choices=[*IMPL_NAMES, *EXTRA_IMPL_NAMES],
         metavar="IMPL",
-        help=f"implementations (default: all of {', '.join(IMPL_NAMES)})",
+        help=f"implementations (default: all of {', '.join(IMPL_NAMES)}; also {', '.join(EXTRA_IMPL_NAMES)})",
     )
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of every tensor")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per metric")
