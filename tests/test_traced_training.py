@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from launch_spies import FORWARD_LAUNCHERS, record_launches
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fused_swiglu import SwiGLULinear, SwiGLUMLP, swap_swiglu_mlps, swiglu_linear, swiglu_mlp, training_ops
 from fused_swiglu.testing import make_problem, relative_error
@@ -179,6 +180,39 @@ def test_traced_backward_overwrites_what_the_forward_kept(device, save, backend,
     assert modes == [True, True]
 
 
+@NEEDS_INDUCTOR
+def test_traced_factors_step_frees_a_before_the_backward_op(device, monkeypatch):
+    """dW_down is made before the backward op, so inductor's backward drops ``a`` before the op
+    allocates dX and dW_gate_up, as the eager backward releases it (the traced step's peak)."""
+    torch._dynamo.reset()
+    forward, backward = training_ops.mlp_train_forward_2d, training_ops.mlp_train_backward_2d
+    a_storages, a_alive_at_backward = [], []
+    other = make_problem(5, 16, 24, dtype=torch.float32, device=device)
+
+    def forward_spy(*args):
+        y, saved, a = forward(*args)
+        a_storages.append(StorageWeakRef(a.untyped_storage()))
+        # The Triton interpreter (CPU) keeps a tensor of its last launch alive until the next launch
+        # (triton 3.6): launch once more on other tensors, so that only the graph can hold ``a``.
+        forward(other.x, other.w_gate_up, other.w_down, 1.0, 1.0, "factors")
+        return y, saved, a
+
+    def backward_spy(*args, in_place):
+        a_alive_at_backward.append(not a_storages[-1].expired())
+        return backward(*args, in_place=in_place)
+
+    monkeypatch.setattr(training_ops, "mlp_train_forward_2d", forward_spy)
+    monkeypatch.setattr(training_ops, "mlp_train_backward_2d", backward_spy)
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    fn, seed, leaves = mlp_or_glu(p, False, "factors")
+    expected = step(lambda x, w, wd: swiglu_mlp(x, w, wd, save="factors"), p, p.x)
+    torch.compile(fn, backend="inductor")(*leaves).backward(seed)
+    assert a_alive_at_backward == [False]
+    grads = (t.grad for t in leaves)
+    for name, g, e in zip(("dx", "dW_gate_up", "dW_down"), grads, expected[1:], strict=True):
+        assert relative_error(g, e) < 1e-6, name
+
+
 def test_traced_double_backward_raises(device):
     """Differentiating the traced backward again raises, as for any compiled graph: torch 2.13 refuses
     double backward by name; torch 2.11 returns a gradient with no graph, whose backward raises."""
@@ -283,11 +317,15 @@ def test_training_ops_pass_opcheck(device, save):
     x, w, wd = (t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down))
     scalars = (0.5, 2.0, save)
     _, saved, a = training_ops.swiglu_mlp_train_forward(x, w, wd, *scalars)
-    backward_args = (p.dy, p.x, p.w_gate_up, p.w_down, saved.clone(), a.clone(), *scalars, True, True, True)
+    operands = (p.dy, p.x, p.w_gate_up, p.w_down, saved.clone())
     checks = [
         (training_ops.swiglu_mlp_train_forward, (x, w, wd, *scalars)),
-        (training_ops.swiglu_mlp_train_backward, backward_args),
+        (training_ops.swiglu_mlp_train_backward, (*operands, a.clone(), None, *scalars, True, True, True)),
     ]
+    if save == "factors":  # as traced: dW_down made first, passed as ``after``, ``a`` not passed
+        dw_down = p.dy.t() @ a
+        after_dw_down = (*operands, None, dw_down, *scalars, True, True, False)
+        checks.append((training_ops.swiglu_mlp_train_backward, after_dw_down))
     if save != "preact":
         _, factors = training_ops.swiglu_linear_train_forward(x, w, 0.5, save)
         checks += [

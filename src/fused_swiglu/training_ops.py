@@ -8,14 +8,18 @@ hands the op the tensor autograd saved (a donated buffer) a retained graph walke
 without a refusal (torch 2.13, NOTES.md item 48). Undeclared, the overwrite is made safe by a ledger
 (single_use.py): the forward op issues its kept storage, the backward op overwrites it only if issued
 and unspent, refuses a second walk, and gives a copy made by saved-tensor hooks a gradient buffer of
-its own. Unlike the eager backward it does not release ``a`` early (``"factors"``): ``a`` is an output
-the compiler sees, and anything reading it after a release would read freed memory. By default
-training runs eagerly behind a graph break instead (functional.py).
+its own. ``a`` (``"factors"``) is not released by the op, as the eager backward releases it: it is an
+output the compiler sees, and anything reading it after a release would read freed memory. Instead
+dW_down, its last use, is made before the op, so the compiled backward drops ``a`` before the op
+allocates the two largest gradients (NOTES.md item 52). By default training runs eagerly behind a
+graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 """
 
 from __future__ import annotations
+
+import torch
 
 from . import single_use
 from .autograd import refuse_double_backward, refuse_second_walk
@@ -33,7 +37,7 @@ def _or_empty(t, like):
 
 
 def _or_none(t):
-    return t if t.numel() else None
+    return t if t is not None and t.numel() else None
 
 
 def _issue(kept):
@@ -81,10 +85,10 @@ swiglu_mlp_train_forward = define(
 
 
 def _mlp_backward_op(
-    dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs
+    dy, x2d, gate_up_weight, down_weight, saved, a, after, gate_multiplier, down_multiplier, save, *needs
 ):
     """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved`` where the
-    ledger allows it."""
+    ledger allows it. ``after`` is not read: it is what the op must run after (see ``_mlp_backward``)."""
     weights = (gate_up_weight, down_weight)
     scalars = (gate_multiplier, down_multiplier, save, needs)
     kept = (_or_none(saved), _or_none(a))
@@ -93,7 +97,7 @@ def _mlp_backward_op(
 
 
 def _mlp_backward_fake(
-    dy, x2d, gate_up_weight, down_weight, saved, a, gate_multiplier, down_multiplier, save, *needs
+    dy, x2d, gate_up_weight, down_weight, saved, a, after, gate_multiplier, down_multiplier, save, *needs
 ):
     shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
     return tuple(x2d.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
@@ -101,8 +105,8 @@ def _mlp_backward_fake(
 
 swiglu_mlp_train_backward = define(
     "swiglu_mlp_train_backward(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, "
-    "Tensor saved, Tensor a, float gate_multiplier, float down_multiplier, str save, bool need_dx, "
-    "bool need_dw_gate_up, bool need_dw_down) -> (Tensor, Tensor, Tensor)",
+    "Tensor saved, Tensor? a, Tensor? after, float gate_multiplier, float down_multiplier, str save, "
+    "bool need_dx, bool need_dw_gate_up, bool need_dw_down) -> (Tensor, Tensor, Tensor)",
     _mlp_backward_op,
     _mlp_backward_fake,
 )
@@ -118,9 +122,20 @@ def _setup_mlp(ctx, inputs, output) -> None:
 
 def _mlp_backward(ctx, dy, _saved_grad, _a_grad):
     refuse_double_backward()
+    x2d, gate_up_weight, down_weight, saved, a = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
-    grads = swiglu_mlp_train_backward(dy, *ctx.saved_tensors, *ctx.scalars, *needs)
-    return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None, None
+    dw_down = None
+    if needs[2] and a.numel():
+        # dW_down first, as the eager backward makes it: the last use of ``a``, so the compiled backward
+        # drops ``a`` here, before the backward op allocates the two largest gradients. The op takes
+        # dW_down as ``after`` only so that the compiler cannot run this GEMM after it. (None, not an
+        # empty tensor, stands for what is not passed: a tensor made here would be traced into the graph.)
+        dw_down = torch.mm(dy.t(), a)
+        a, needs = None, (*needs[:2], False)
+    weights = (gate_up_weight, down_weight)
+    grads = swiglu_mlp_train_backward(dy, x2d, *weights, saved, a, dw_down, *ctx.scalars, *needs)
+    dx, dw_gate_up, op_dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
+    return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None
 
 
 register_autograd(swiglu_mlp_train_forward, _mlp_backward, _setup_mlp)
