@@ -2,11 +2,14 @@
 of the MLP and of the GLU operator as custom ops, no graph break, the same results as the eager fused
 step, and never silently wrong on a second backward or a double backward."""
 
+import hashlib
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from launch_spies import FORWARD_LAUNCHERS, record_launches
+from torch._dynamo.utils import counters
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fused_swiglu import SwiGLULinear, SwiGLUMLP, swap_swiglu_mlps, swiglu_linear, swiglu_mlp, training_ops
@@ -316,10 +319,11 @@ def test_training_ops_pass_opcheck(device, save):
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x, w, wd = (t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down))
     scalars = (0.5, 2.0, save)
-    _, saved, a = training_ops.swiglu_mlp_train_forward(x, w, wd, *scalars)
+    revision = training_ops.REVISION
+    _, saved, a = training_ops.swiglu_mlp_train_forward(x, w, wd, *scalars, revision)
     operands = (p.dy, p.x, p.w_gate_up, p.w_down, saved.clone())
     checks = [
-        (training_ops.swiglu_mlp_train_forward, (x, w, wd, *scalars)),
+        (training_ops.swiglu_mlp_train_forward, (x, w, wd, *scalars, revision)),
         (training_ops.swiglu_mlp_train_backward, (*operands, a.clone(), None, *scalars, True, True, True)),
     ]
     if save == "factors":  # as traced: dW_down made first, passed as ``after``, ``a`` not passed
@@ -327,9 +331,9 @@ def test_training_ops_pass_opcheck(device, save):
         after_dw_down = (*operands, None, dw_down, *scalars, True, True, False)
         checks.append((training_ops.swiglu_mlp_train_backward, after_dw_down))
     if save != "preact":
-        _, factors = training_ops.swiglu_linear_train_forward(x, w, 0.5, save)
+        _, factors = training_ops.swiglu_linear_train_forward(x, w, 0.5, save, revision)
         checks += [
-            (training_ops.swiglu_linear_train_forward, (x, w, 0.5, save)),
+            (training_ops.swiglu_linear_train_forward, (x, w, 0.5, save, revision)),
             (
                 training_ops.swiglu_linear_train_backward,
                 (p.da, p.x, p.w_gate_up, factors.clone(), 0.5, save, True, False),
@@ -438,3 +442,25 @@ def test_traced_step_with_dynamic_rows(device):
         expected = step(lambda x, w, wd: swiglu_mlp(x, w, wd), p, p.x)
         for g, e in zip(step(traced, p, p.x), expected, strict=True):
             assert relative_error(g, e) < 1e-6
+
+
+@NEEDS_INDUCTOR
+def test_compile_cache_does_not_serve_a_changed_backward_formula(device, monkeypatch, tmp_path):
+    """The compile cache is keyed by the forward graph, not by registered backward formulas
+    (pytorch/pytorch#144344); the forward ops carry a fingerprint of training_ops.py, so a changed
+    file (here: a changed fingerprint) is compiled afresh, while an unchanged one is served."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    fn, seed, leaves = mlp_or_glu(p, False, "factors")
+
+    def compile_and_step(revision):
+        torch._dynamo.reset()
+        monkeypatch.setattr(training_ops, "REVISION", revision)
+        counters["aot_autograd"].clear()
+        torch.compile(fn, backend="inductor")(*leaves).backward(seed)
+        return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
+
+    assert hashlib.sha256(Path(training_ops.__file__).read_bytes()).hexdigest()[:16] == training_ops.REVISION
+    assert compile_and_step("old") == (0, 1)
+    assert compile_and_step("old") == (1, 0)
+    assert compile_and_step("new") == (0, 1)

@@ -11,13 +11,22 @@ and unspent, refuses a second walk, and gives a copy made by saved-tensor hooks 
 its own. ``a`` (``"factors"``) is not released by the op, as the eager backward releases it: it is an
 output the compiler sees, and anything reading it after a release would read freed memory. Instead
 dW_down, its last use, is made before the op, so the compiled backward drops ``a`` before the op
-allocates the two largest gradients (NOTES.md item 52). By default training runs eagerly behind a
+allocates the two largest gradients (NOTES.md item 53). By default training runs eagerly behind a
 graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
+
+torch.compile's caches are keyed by the forward graph and do not notice a changed registered backward
+formula of a custom op (pytorch/pytorch#144344): after an upgrade that changed one, a cached compile
+would run the old backward. So every forward op takes ``REVISION``, a fingerprint of this file (which
+holds every registered backward formula and every schema), as an argument it ignores: it is a
+constant of the traced graph, so a changed formula gets a fresh compile.
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import torch
 
@@ -30,6 +39,9 @@ from .dispatch import (
     mlp_train_forward_2d,
 )
 from .library import define, register_autograd
+
+#: Fingerprint of this file, passed to the forward ops (see the module docstring).
+REVISION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _or_empty(t, like):
@@ -61,7 +73,7 @@ def _spend(kept) -> bool:
 # The MLP ---------------------------------------------------------------------------------------------
 
 
-def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save, revision):
     """y [M, H], the saved packed [M, 2I] tensor and ``a`` [M, I] (the last two empty where the save
     mode keeps neither), on validated 2-D inputs."""
     scalars = (gate_multiplier, down_multiplier, save)
@@ -69,7 +81,7 @@ def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multipl
     return y, _issue(_or_empty(saved, x2d)), _or_empty(a, x2d)
 
 
-def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
+def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save, revision):
     m, inter = x2d.shape[0], down_weight.shape[1]
     saved = x2d.new_empty(m, 2 * inter) if save != "recompute" else x2d.new_empty(0)
     a = x2d.new_empty(m, inter) if save == "factors" else x2d.new_empty(0)
@@ -78,7 +90,7 @@ def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_mu
 
 swiglu_mlp_train_forward = define(
     "swiglu_mlp_train_forward(Tensor x2d, Tensor gate_up_weight, Tensor down_weight, float gate_multiplier, "
-    "float down_multiplier, str save) -> (Tensor, Tensor, Tensor)",
+    "float down_multiplier, str save, str revision) -> (Tensor, Tensor, Tensor)",
     _mlp_forward,
     _mlp_forward_fake,
 )
@@ -113,7 +125,7 @@ swiglu_mlp_train_backward = define(
 
 
 def _setup_mlp(ctx, inputs, output) -> None:
-    x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save = inputs
+    x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save, _revision = inputs
     _, saved, a = output
     ctx.save_for_backward(x2d, gate_up_weight, down_weight, saved, a)
     ctx.scalars = gate_multiplier, down_multiplier, save
@@ -135,7 +147,7 @@ def _mlp_backward(ctx, dy, _saved_grad, _a_grad):
     weights = (gate_up_weight, down_weight)
     grads = swiglu_mlp_train_backward(dy, x2d, *weights, saved, a, dw_down, *ctx.scalars, *needs)
     dx, dw_gate_up, op_dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
-    return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None
+    return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None, None
 
 
 register_autograd(swiglu_mlp_train_forward, _mlp_backward, _setup_mlp)
@@ -144,26 +156,27 @@ register_autograd(swiglu_mlp_train_forward, _mlp_backward, _setup_mlp)
 def swiglu_mlp_training(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     """The traced MLP training call: y of the forward op, whose backward is the backward op."""
     scalars = (gate_multiplier, down_multiplier, save)
-    return swiglu_mlp_train_forward(x2d, gate_up_weight, down_weight, *scalars)[0]
+    return swiglu_mlp_train_forward(x2d, gate_up_weight, down_weight, *scalars, REVISION)[0]
 
 
 # The GLU operator ------------------------------------------------------------------------------------
 
 
-def _linear_forward(x2d, gate_up_weight, gate_multiplier, save):
+def _linear_forward(x2d, gate_up_weight, gate_multiplier, save, revision):
     """``a`` [M, I] and the saved factors [M, 2I] (empty for ``"recompute"``), on validated inputs."""
     a, factors = linear_train_forward_2d(x2d, gate_up_weight, gate_multiplier, save)
     return a, _issue(_or_empty(factors, x2d))
 
 
-def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save):
+def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save, revision):
     m, two_inter = x2d.shape[0], gate_up_weight.shape[0]
     factors = x2d.new_empty(m, two_inter) if save != "recompute" else x2d.new_empty(0)
     return x2d.new_empty(m, two_inter // 2), factors
 
 
 swiglu_linear_train_forward = define(
-    "swiglu_linear_train_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save) "
+    "swiglu_linear_train_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save, "
+    "str revision) "
     "-> (Tensor, Tensor)",
     _linear_forward,
     _linear_forward_fake,
@@ -194,7 +207,7 @@ swiglu_linear_train_backward = define(
 
 
 def _setup_linear(ctx, inputs, output) -> None:
-    x2d, gate_up_weight, gate_multiplier, save = inputs
+    x2d, gate_up_weight, gate_multiplier, save, _revision = inputs
     _, factors = output
     ctx.save_for_backward(x2d, gate_up_weight, factors)
     ctx.scalars = gate_multiplier, save
@@ -205,7 +218,7 @@ def _linear_backward(ctx, da, _factors_grad):
     refuse_double_backward()
     needs = ctx.needs_input_grad[:2]
     grads = swiglu_linear_train_backward(da, *ctx.saved_tensors, *ctx.scalars, *needs)
-    return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None
+    return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None, None
 
 
 register_autograd(swiglu_linear_train_forward, _linear_backward, _setup_linear)
@@ -213,4 +226,4 @@ register_autograd(swiglu_linear_train_forward, _linear_backward, _setup_linear)
 
 def swiglu_linear_training(x2d, gate_up_weight, gate_multiplier, save):
     """The traced GLU training call: ``a`` of the forward op, whose backward is the backward op."""
-    return swiglu_linear_train_forward(x2d, gate_up_weight, gate_multiplier, save)[0]
+    return swiglu_linear_train_forward(x2d, gate_up_weight, gate_multiplier, save, REVISION)[0]
