@@ -8,11 +8,11 @@ hands the op the tensor autograd saved (a donated buffer) a retained graph walke
 without a refusal (torch 2.13, NOTES.md item 48). Undeclared, the overwrite is made safe by a ledger
 (single_use.py): the forward op issues its kept storage, the backward op overwrites it only if issued
 and unspent, refuses a second walk, and gives a copy made by saved-tensor hooks a gradient buffer of
-its own. ``a`` (``"factors"``) is not released by the op, as the eager backward releases it: it is an
+its own. The op does not release ``a`` (``"factors"``) the way the eager backward does: ``a`` is an
 output the compiler sees, and anything reading it after a release would read freed memory. Instead
-dW_down, its last use, is made before the op, so the compiled backward drops ``a`` before the op
-allocates the two largest gradients (NOTES.md item 53). By default training runs eagerly behind a
-graph break instead (functional.py).
+dW_down, ``a``'s last use, is made before the op, so the compiled backward drops ``a`` itself before
+the op allocates the two largest gradients (NOTES.md item 53). By default training runs eagerly
+behind a graph break instead (functional.py).
 
 Custom ops return tensors only, so what a save mode does not keep is returned as an empty tensor.
 
