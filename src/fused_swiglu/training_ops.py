@@ -176,8 +176,7 @@ def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save, revision):
 
 swiglu_linear_train_forward = define(
     "swiglu_linear_train_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save, "
-    "str revision) "
-    "-> (Tensor, Tensor)",
+    "str revision) -> (Tensor, Tensor)",
     _linear_forward,
     _linear_forward_fake,
 )
