@@ -464,3 +464,33 @@ def test_compile_cache_does_not_serve_a_changed_backward_formula(device, monkeyp
     assert compile_and_step("old") == (0, 1)
     assert compile_and_step("old") == (1, 0)
     assert compile_and_step("new") == (0, 1)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+@pytest.mark.parametrize("save", SAVES)
+def test_traced_step_under_autocast_matches_the_eager_fused_step(device, save, backend):
+    """fp32 leaves under torch.autocast, traced: the autocast dtype out, fp32 gradients, and the eager
+    fused step's values (the traced backward makes dW_down itself, in the autocast dtype)."""
+    torch._dynamo.reset()
+    low = torch.float16 if device.type == "cpu" else torch.bfloat16  # the interpreter's bf16 dot is wrong
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+
+    def autocast_step(fn):
+        leaves = [t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down)]
+        with torch.autocast(device.type, dtype=low):
+            y = fn(*leaves)
+        assert y.dtype == low
+        y.backward(p.dy.to(low))
+        return [y.detach().float(), *(t.grad for t in leaves)]
+
+    expected = autocast_step(lambda x, w, wd: swiglu_mlp(x, w, wd, save=save))
+    traced = torch.compile(
+        lambda x, w, wd: swiglu_mlp(x, w, wd, save=save, compiled_training="traced"),
+        backend=backend,
+        fullgraph=True,
+    )
+    got = autocast_step(traced)
+    for name, g, e in zip(("y", "dx", "dW_gate_up", "dW_down"), got, expected, strict=True):
+        assert g.dtype == torch.float32, name
+        assert torch.isfinite(g).all(), name
+        assert relative_error(g, e) < 1e-3, name
