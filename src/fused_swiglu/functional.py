@@ -173,8 +173,7 @@ def swiglu_mlp(
         compiled_training: how a training call runs under ``torch.compile``: ``"graph_break"``
             (default) runs it eagerly behind one graph break; ``"traced"`` traces it into the graph as
             two custom ops (no break, ``fullgraph=True`` works), whose backward overwrites what the
-            forward kept, as the eager one does; ``"factors"`` then peaks ``a`` higher (intermediate
-            elements per token), which the eager backward releases early. Outside ``torch.compile``
+            forward kept, as the eager one does, and peaks as the eager step. Outside ``torch.compile``
             it changes nothing.
 
     Returns:

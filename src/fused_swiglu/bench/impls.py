@@ -28,8 +28,7 @@ IMPL_NAMES = (
     "liger",
     "flash-swiglu-mlp",
 )
-#: On request only (``--impls``): the traced module with pre-activations kept, the mode that peaks as
-#: its eager step when traced (the traced ``factors`` step holds ``a`` through the backward).
+#: On request only (``--impls``): the traced module with pre-activations kept.
 EXTRA_IMPL_NAMES = ("fused-compiled-preact",)
 
 
