@@ -20,7 +20,7 @@ import time
 import torch
 
 from fused_swiglu import swiglu_mlp
-from fused_swiglu.autograd import swiglu_mlp_no_grad
+from fused_swiglu.passes import swiglu_mlp_no_grad
 from fused_swiglu.bench.impls import EagerSwiGLUMLP, peer_module
 from fused_swiglu.bench.measure import cuda_graph_replay
 from fused_swiglu.bench.report import provenance

@@ -47,7 +47,12 @@ def _poisoned(factory):
     def make(*args, **kwargs):
         t = factory(*args, **kwargs)
         if t.dtype.is_floating_point:
-            with torch.no_grad():  # e.g. torch.utils.checkpoint's empty leaf that requires grad
+            # No grad: e.g. torch.utils.checkpoint's empty leaf that requires grad. The version counter
+            # stays at 0, as torch.empty leaves it (the fused backward reads it).
+            if t.is_inference():  # inference tensors have no version counter
+                t.fill_(float("nan"))
+                return t
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
                 t.fill_(float("nan"))
         return t
 

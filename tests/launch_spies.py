@@ -1,12 +1,12 @@
-"""Spies on the kernel launchers that ``fused_swiglu.autograd`` calls, for tests that check which
+"""Spies on the kernel launchers that ``fused_swiglu.passes`` calls, for tests that check which
 launcher ran, with what, and what was alive around it.
 
 Every forward launcher and every backward launcher is listed here once, so that a new launcher is
-added in one place; ``test_functional.test_launch_spies_cover_every_launcher`` fails if autograd
+added in one place; ``test_functional.test_launch_spies_cover_every_launcher`` fails if passes
 calls one that is not listed.
 """
 
-import fused_swiglu.autograd as autograd_mod
+import fused_swiglu.passes as passes_mod
 
 FORWARD_LAUNCHERS = ("glu_forward", "glu_forward_ws", "glu_forward_split")
 BACKWARD_LAUNCHERS = ("glu_backward_", "glu_backward_ws_", "glu_backward_split_")
@@ -15,9 +15,9 @@ BACKWARD_LAUNCHERS = ("glu_backward_", "glu_backward_ws_", "glu_backward_split_"
 def wrap_launchers(monkeypatch, names, around) -> None:
     """Replace each launcher in ``names`` with ``around(real, *args, **kwargs)``."""
     for name in names:
-        real = getattr(autograd_mod, name)
+        real = getattr(passes_mod, name)
         monkeypatch.setattr(
-            autograd_mod, name, lambda *args, real=real, **kwargs: around(real, *args, **kwargs)
+            passes_mod, name, lambda *args, real=real, **kwargs: around(real, *args, **kwargs)
         )
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 from launch_spies import BACKWARD_LAUNCHERS, FORWARD_LAUNCHERS, record_launches, wrap_launchers
 
-import fused_swiglu.autograd as autograd_mod
-import fused_swiglu.dispatch as dispatch_mod
+import fused_swiglu.passes as passes_mod
+import fused_swiglu.support as support_mod
 from fused_swiglu import fused_path_available, pack_gate_up, swiglu_mlp
-from fused_swiglu.autograd import KEPT
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import (
     backward_is_warp_specialized,
@@ -22,6 +21,7 @@ from fused_swiglu.kernels.configs import (
     inference_uses_cublas,
 )
 from fused_swiglu.layout import CHUNK
+from fused_swiglu.passes import KEPT
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
     accuracy_rows,
@@ -41,7 +41,7 @@ def kernel_saves(save: str, inter: int) -> list[Saved]:
     per piece of the intermediate columns."""
     if save != "recompute":
         return [KEPT[save]]
-    pieces = autograd_mod.RECOMPUTE_PIECES if inter % (autograd_mod.RECOMPUTE_PIECES * CHUNK) == 0 else 1
+    pieces = passes_mod.RECOMPUTE_PIECES if inter % (passes_mod.RECOMPUTE_PIECES * CHUNK) == 0 else 1
     return [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
 
@@ -79,7 +79,7 @@ def backward_launches(monkeypatch):
 def test_launch_spies_cover_every_launcher():
     """A launcher autograd calls but the spies do not wrap would go unrecorded (it happened once: a
     launch list came back empty on the GPU only)."""
-    names = set(vars(autograd_mod))
+    names = set(vars(passes_mod))
     assert {n for n in names if n.startswith("glu_forward")} == set(FORWARD_LAUNCHERS)
     assert {n for n in names if n.startswith("glu_backward")} == set(BACKWARD_LAUNCHERS)
 
@@ -135,10 +135,10 @@ def test_training_step_matches_reference(
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
 def test_float32_gemms_on_cublas_match_reference(device, save, multipliers, forward_saves, monkeypatch):
     """The fp32 path of a GPU (cuBLAS GEMMs, SwiGLU passes in place), forced here on any device."""
-    monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
+    monkeypatch.setattr(passes_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     fused_launches = []
     for name in ("glu_backward_", "glu_backward_ws_"):  # the fused ones: fp32 takes neither
-        monkeypatch.setattr(autograd_mod, name, lambda *a, **k: fused_launches.append(k))
+        monkeypatch.setattr(passes_mod, name, lambda *a, **k: fused_launches.append(k))
     gm, dm = multipliers
     p = make_problem(70, 48, 96, dtype=torch.float32, device=device, gate_multiplier=gm, down_multiplier=dm)
     rows = accuracy_rows(run_step(fused(p, save), p), run_eager_step(p), oracle_step(p), torch.float32)
@@ -154,7 +154,7 @@ def test_recompute_backward_keeps_one_piece_alive(device, needs, cublas, monkeyp
     """Each recomputed piece (its factors and its part of a) is released before the next is made,
     and the pieces' gradient blocks and dX terms add up to the reference gradients."""
     if cublas:
-        monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
+        monkeypatch.setattr(passes_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     alive, alive_at_launch = weakref.WeakSet(), []
 
     def around(real, *args, **kwargs):
@@ -171,7 +171,7 @@ def test_recompute_backward_keeps_one_piece_alive(device, needs, cublas, monkeyp
     w_gate_up = p.w_gate_up.detach().requires_grad_(needs in ("weights", "all"))
     w_down = p.w_down.detach().requires_grad_(needs in ("weights", "all"))
     swiglu_mlp(x, w_gate_up, w_down, save="recompute", **multipliers).backward(p.dy)
-    assert alive_at_launch == [0] * (1 + autograd_mod.RECOMPUTE_PIECES)
+    assert alive_at_launch == [0] * (1 + passes_mod.RECOMPUTE_PIECES)
     assert len(alive) == 0
     want = oracle_step(p)
     for name, got in (("dx", x.grad), ("dw_gate_up", w_gate_up.grad), ("dw_down", w_down.grad)):
@@ -354,15 +354,15 @@ def test_fused_kernels_only_where_their_tiles_are_built(monkeypatch, capability,
     """Hopper takes the fused kernels; newer GPUs, whose shared memory the tiles do not fit, take the
     reference with a warning; older ones (no TMA) take it silently."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
-    dispatch_mod._kernels_built_for.cache_clear()
+    support_mod._kernels_built_for.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert dispatch_mod._kernels_built_for(0) is fused
-            assert dispatch_mod._kernels_built_for(0) is fused  # cached: one warning per device
+            assert support_mod._kernels_built_for(0) is fused
+            assert support_mod._kernels_built_for(0) is fused  # cached: one warning per device
         messages = [str(w.message) for w in caught]
         assert len(messages) == int(warns)
         if warns:
             assert f"sm_{capability[0]}{capability[1]}" in messages[0] and "reference" in messages[0]
     finally:
-        dispatch_mod._kernels_built_for.cache_clear()
+        support_mod._kernels_built_for.cache_clear()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from launch_spies import FORWARD_LAUNCHERS, record_launches, wrap_launchers
 
-import fused_swiglu.autograd as autograd_mod
+import fused_swiglu.passes as passes_mod
 from fused_swiglu import SwiGLULinear, fused_path_available, pack_gate_up, swiglu_linear
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_forward import glu_forward
@@ -49,7 +49,7 @@ def test_glu_grad_kernel_multiplies_both_halves_in_place(shape, dtype, device):
 def test_training_step_matches_reference(shape, dtype, device, save, gate_multiplier, cublas, monkeypatch):
     """Both GEMM paths: the default for the device, and the fp32 one of a GPU forced on any device."""
     if cublas:
-        monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
+        monkeypatch.setattr(passes_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     launches = record_launches(monkeypatch, dict.fromkeys(FORWARD_LAUNCHERS, lambda kwargs: kwargs["save"]))
     p = make_problem(*shape, dtype=dtype, device=device, gate_multiplier=gate_multiplier)
 
@@ -62,7 +62,7 @@ def test_training_step_matches_reference(shape, dtype, device, save, gate_multip
     if save == "factors":
         assert launches == [Saved.FACTORS]
     else:  # the backward recomputes the factors piece by piece where the pieces are whole chunks
-        pieces = autograd_mod.RECOMPUTE_PIECES if shape[2] % (2 * CHUNK) == 0 else 1
+        pieces = passes_mod.RECOMPUTE_PIECES if shape[2] % (2 * CHUNK) == 0 else 1
         assert launches == [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
 
@@ -72,7 +72,7 @@ def test_recompute_backward_keeps_one_piece_of_factors_alive(device, needs, cubl
     """Each recomputed piece of factors is released before the next is made, and the pieces' dW
     rows and dX terms add up to the reference gradients."""
     if cublas:
-        monkeypatch.setattr(autograd_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
+        monkeypatch.setattr(passes_mod, "gemms_on_cublas", lambda dtype, on_gpu: dtype == torch.float32)
     alive, pieces_alive_at_launch = weakref.WeakSet(), []
 
     def around(real, *args, **kwargs):
@@ -87,7 +87,7 @@ def test_recompute_backward_keeps_one_piece_of_factors_alive(device, needs, cubl
     x = p.x.detach().requires_grad_(needs in ("x", "both"))
     w = p.w_gate_up.detach().requires_grad_(needs in ("weight", "both"))
     swiglu_linear(x, w, gate_multiplier=0.5, save="recompute").backward(p.da)
-    assert pieces_alive_at_launch == [0] * (1 + autograd_mod.RECOMPUTE_PIECES)
+    assert pieces_alive_at_launch == [0] * (1 + passes_mod.RECOMPUTE_PIECES)
     assert len(alive) == 0
     want = glu_oracle_step(p)
     assert (x.grad is None) == (needs == "weight") and (w.grad is None) == (needs == "x")

@@ -1,278 +1,91 @@
-"""Training and inference paths of the fused operators over 2-D, TMA-ready tensors.
+"""The autograd Functions of the fused training calls: a forward op and a backward op (ops.py) each.
 
-What is kept between forward and backward, per token (x and the weights not counted):
+``torch.compile`` traces a Function's forward and backward into the graph (no graph break), and the
+compiled code calls the two ops directly. Eagerly the same Functions run as written.
 
-* ``"factors"``: [silu(g) | gate_multiplier * u * silu'(g)] (2I), plus a (I) for the MLP's dW_down;
-* ``"preact"``: [u | g] (2I); the MLP backward recomputes the sigmoid and ``a``;
-* ``"recompute"``: nothing; the backward first re-runs the fused gate/up GEMM (one more GEMM), in
-  ``RECOMPUTE_PIECES`` column pieces, so that only one piece of what it recomputes is alive at a time.
-
-The backward overwrites the saved packed tensor with the packed pre-activation gradient, so a graph
-that kept one can be walked backward exactly once; a second walk (``retain_graph=True``) raises
-instead of reading overwritten memory. Double backward (``create_graph=True``) is not supported.
-
-Inference saves nothing. At decode sizes (``CUBLAS_DECODE_ROWS`` rows or fewer) it runs the gate/up GEMM
-on cuBLAS plus one activation pass, which measured faster there than the fused kernel.
-
-fp32 on a GPU runs both GLU GEMMs on cuBLAS with the SwiGLU in in-place passes beside them
-(``kernels/glu_split.py``): same saved tensors, same in-place contract, cuBLAS's fp32 speed.
+What is kept between forward and backward is what the forward op returns besides the output
+(``passes.py`` says what each save mode keeps). The backward overwrites it, so a graph can be walked
+backward once; ``create_graph=True`` (double backward) is refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels.common import CHUNK, Saved, empty, interpreting, tma_ready
-from .kernels.configs import (
-    backward_is_warp_specialized,
-    forward_is_warp_specialized,
-    gemms_on_cublas,
-    inference_uses_cublas,
-)
-from .kernels.glu_activation import glu_activation
-from .kernels.glu_backward import glu_backward_
-from .kernels.glu_backward_ws import glu_backward_ws_
-from .kernels.glu_forward import glu_forward
-from .kernels.glu_forward_ws import glu_forward_ws
-from .kernels.glu_grad import glu_grad_
-from .kernels.glu_split import glu_backward_split_, glu_forward_split
-
-#: What the forward kernel writes in training, per save mode.
-KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
-
-#: The recompute backward redoes the [M, 2I] factors (and, for the MLP, ``a``) in this many column
-#: pieces, each released before the next is made, so only one piece is alive beside the gradients.
-#: Two, because dX is then the sum of two partial products rounded to x's dtype, as in eager
-#: PyTorch, which adds its two projections' input gradients; more pieces would add roundings to dX.
-RECOMPUTE_PIECES = 2
+from . import ops
 
 
-def _recompute_pieces(inter: int) -> tuple[int, int]:
-    """How many pieces of how many intermediate columns: whole packed chunks each, else one piece."""
-    pieces = RECOMPUTE_PIECES if inter % (RECOMPUTE_PIECES * CHUNK) == 0 else 1
-    return pieces, inter // pieces
-
-
-def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, *, save: Saved, write_a: bool = True, **scales):
-    """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
-    plus an in-place pass (same contract)."""
-    on_gpu = not interpreting()
-    if forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
-        return glu_forward_ws(x, w_gate_up, save=save, **scales)
-    split = gemms_on_cublas(x.dtype, on_gpu)
-    return (glu_forward_split if split else glu_forward)(x, w_gate_up, save=save, write_a=write_a, **scales)
-
-
-def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, kind, grad=None, **scales):
-    """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
-    plus a gradient pass (same contract: the gradient over ``saved``, or into ``grad``)."""
-    on_gpu = not interpreting()
-    if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, kind):
-        return glu_backward_ws_(dy, w_down, saved, kind=kind, grad=grad, **scales)
-    split = gemms_on_cublas(dy.dtype, on_gpu)
-    launch = glu_backward_split_ if split else glu_backward_
-    return launch(dy, w_down, saved, kind=kind, grad=grad, **scales)
-
-
-def _glu_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_scale: float, out_scale: float):
-    """``out_scale * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
-    if inference_uses_cublas(x.shape[0]):
-        h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
-        return glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
-    a, _ = _forward(x, w_gate_up, gate_scale=gate_scale, out_scale=out_scale, save=Saved.NOTHING)
-    return a
-
-
-def swiglu_mlp_no_grad(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    gate_multiplier: float,
-    down_multiplier: float,
-) -> torch.Tensor:
-    """Inference: nothing is saved."""
-    return torch.mm(_glu_no_grad(x, w_gate_up, gate_multiplier, down_multiplier), w_down.t())
-
-
-def swiglu_linear_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_multiplier: float) -> torch.Tensor:
-    """Inference of the GLU half."""
-    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0)
-
-
-def refuse_double_backward() -> None:
-    """Raise inside a backward run with ``create_graph=True`` (grad mode on): it is not differentiable."""
-    if torch.is_grad_enabled():
+def _refuse_double_backward() -> None:
+    if torch.is_grad_enabled():  # grad mode is on inside a backward only with create_graph=True
         raise RuntimeError(
             "fused_swiglu: create_graph=True (double backward) is not supported: the backward is not "
             "differentiable. Use fused_swiglu.reference for higher-order gradients."
         )
 
 
-def _start_backward(ctx) -> None:
-    refuse_double_backward()
-    if ctx.kept == Saved.NOTHING:
-        return  # recompute mode: the saved inputs are untouched, walking again is fine
-    if ctx.saved_buffers_consumed:
-        refuse_second_walk()
-    ctx.saved_buffers_consumed = True
-
-
-def refuse_second_walk() -> None:
-    """Raise in a backward whose saved activations an earlier walk of the graph overwrote."""
-    raise RuntimeError(
-        "fused_swiglu: this graph was already walked backward once. Its saved activations were "
-        "overwritten in place by that backward, so a second backward (retain_graph=True) would be "
-        "wrong. Run the forward again, or use save='recompute', which keeps nothing to overwrite."
-    )
+def _saved_tensors(ctx) -> tuple[torch.Tensor, ...]:
+    """``ctx.saved_tensors``; eagerly, a second walk, which autograd's own check of the saved tensors
+    finds (the backward op marked the kept tensor changed), gets the library's message."""
+    if torch.compiler.is_compiling():
+        return ctx.saved_tensors
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as error:
+        if "modified by an inplace operation" in str(error):
+            ops.refuse_second_walk()
+        raise
 
 
 class SwiGLUMLPFunction(torch.autograd.Function):
     """y = down_multiplier * (silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)) @ Wd^T, weights packed."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, save: str):
-        kept = KEPT[save]
-        scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
-        y, saved, a = mlp_forward(x, w_gate_up, w_down, kept, scales)
-        ctx.save_for_backward(x, w_gate_up, w_down, saved, a)
-        ctx.gate_multiplier, ctx.down_multiplier = gate_multiplier, down_multiplier
-        ctx.kept = kept
-        ctx.saved_buffers_consumed = False
+    def forward(ctx, x2d, gate_up_weight, down_weight, gate_multiplier: float, down_multiplier: float, save):
+        scalars = (gate_multiplier, down_multiplier, save)
+        y, kept, a = ops.swiglu_mlp_forward(x2d, gate_up_weight, down_weight, *scalars)
+        # a is kept for dW_down only (with saved factors): not kept when the down weight is frozen.
+        ctx.save_for_backward(x2d, gate_up_weight, down_weight, kept, a if ctx.needs_input_grad[2] else None)
+        ctx.scalars = scalars
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        _start_backward(ctx)
-        x, w_gate_up, w_down, saved, a = ctx.saved_tensors
-        scales = {"gate_scale": ctx.gate_multiplier, "out_scale": ctx.down_multiplier}
-        needs = ctx.needs_input_grad[:3]
-        grads = mlp_backward_(dy, x, w_gate_up, w_down, saved, a, ctx.kept, scales, needs, release_a=True)
-        return *grads, None, None, None
-
-
-def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict):
-    """y, the saved packed tensor (``None`` for ``Saved.NOTHING``) and ``a`` scaled by the down
-    multiplier (``None`` unless the factors are saved, where dW_down needs it)."""
-    a, saved = _forward(x, w_gate_up, save=kept, **scales)
-    y = torch.mm(a, w_down.t())
-    # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
-    return y, saved, a if kept == Saved.FACTORS else None
-
-
-def mlp_backward_(
-    dy, x, w_gate_up, w_down, saved, a, kept: Saved, scales: dict, needs, *, release_a: bool, keep_saved=False
-):
-    """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
-
-    Overwrites ``saved`` with the packed pre-activation gradient, or with ``keep_saved`` writes that to
-    a buffer of its own and leaves ``saved`` as it was (the same pass, the buffer's memory more). With
-    ``release_a``, ``a``'s memory is released once dW_down is made (the caller guarantees nothing reads
-    ``a`` afterwards).
-    """
-    need_dx, need_dw_gate_up, need_dw_down = needs
-    dy = tma_ready(dy)  # e.g. the expanded (stride 0) gradient of y.sum()
-    if kept == Saved.NOTHING:
-        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
-    grad = empty(tuple(saved.shape), saved) if keep_saved else None
-    recomputed = _backward_(dy, w_down, saved, kind=kept, grad=grad, **scales)
-    grad_gate_up = saved if grad is None else grad  # [dU | dG] in packed column order
-    del saved, grad
-    dw_down = torch.mm(dy.t(), a if recomputed is None else recomputed) if need_dw_down else None
-    if release_a and kept == Saved.FACTORS:
-        # Autograd holds saved tensors until the backward returns; release a's memory now, before
-        # the two largest GEMMs allocate their outputs (the backward consumes what was saved).
-        a.untyped_storage().resize_(0)
-    del a, recomputed
-    dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
-    dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw_gate_up else None
-    return dx, dw_gate_up, dw_down
+        _refuse_double_backward()
+        x2d, gate_up_weight, down_weight, kept, a = _saved_tensors(ctx)
+        need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
+        eager = not torch.compiler.is_compiling()
+        if eager and kept._version:  # refused before a is read (the op refuses it too, compiled)
+            ops.refuse_second_walk()
+        dw_down = None
+        if need_dw_down and ctx.scalars[2] == "factors":
+            # dW_down = dY^T @ a (a carries the down multiplier) first: a's last use, so a compiled
+            # backward drops a before the backward op allocates the two largest gradients. The op
+            # takes dW_down as `after` so that the compiler cannot move this GEMM past it.
+            dw_down = torch.mm(dy.t(), a)
+            if eager:
+                # Autograd holds saved tensors until the backward returns: release a now.
+                a.untyped_storage().resize_(0)
+        del a
+        needs = (need_dx, need_dw_gate_up, need_dw_down and dw_down is None)
+        weights = (gate_up_weight, down_weight)
+        grads = ops.swiglu_mlp_backward(dy, x2d, *weights, kept, dw_down, *ctx.scalars, *needs)
+        dx, dw_gate_up, op_dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
+        return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
     """a = silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T) from the packed weight: the GLU half alone."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, gate_multiplier: float, save: str):
-        kept = KEPT[save]
-        a, factors = linear_forward(x, w_gate_up, gate_multiplier, kept)
-        ctx.save_for_backward(x, w_gate_up, factors)
-        ctx.gate_multiplier = gate_multiplier
-        ctx.kept = kept
-        ctx.saved_buffers_consumed = False
+    def forward(ctx, x2d, gate_up_weight, gate_multiplier: float, save: str):
+        a, factors = ops.swiglu_linear_forward(x2d, gate_up_weight, gate_multiplier, save)
+        ctx.save_for_backward(x2d, gate_up_weight, factors)
+        ctx.scalars = (gate_multiplier, save)
         return a
 
     @staticmethod
     def backward(ctx, da):
-        _start_backward(ctx)
-        x, w_gate_up, factors = ctx.saved_tensors
+        _refuse_double_backward()
         needs = ctx.needs_input_grad[:2]
-        return *linear_backward_(da, x, w_gate_up, factors, ctx.kept, ctx.gate_multiplier, needs), None, None
-
-
-def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved):
-    """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
-    return _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
-
-
-def linear_backward_(
-    da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs, *, keep_saved=False
-):
-    """(dX, packed dW_gate_up), each ``None`` where ``needs`` says it is not needed; overwrites the
-    saved ``factors`` with the packed pre-activation gradient, or with ``keep_saved`` writes that to a
-    buffer of its own and leaves ``factors`` as they were."""
-    need_dx, need_dw = needs
-    da = da.contiguous()
-    if kept == Saved.NOTHING:
-        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, need_dx, need_dw)
-    grad = empty(tuple(factors.shape), factors) if keep_saved else None
-    grad_gate_up = glu_grad_(da, factors, grad=grad)  # [dU | dG], over factors unless keep_saved
-    dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
-    dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
-    return dx, dw_gate_up
-
-
-def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gate_up, need_dw_down):
-    """dX and the packed dW_gate_up and dW_down of the MLP, ``a`` and the factors recomputed piece by
-    piece: piece k covers intermediate columns [k * width, (k + 1) * width), packed weight rows
-    [2k * width, 2(k + 1) * width) (whole chunks). Factors rather than pre-activations: the forward
-    kernel writes a and the factors at the cost of one, and they make the backward epilogue cheaper."""
-    pieces, width = _recompute_pieces(w_down.shape[1])
-    dx = None
-    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw_gate_up else None
-    dw_down = empty(tuple(w_down.shape), x) if need_dw_down else None
-    for k in range(pieces):
-        rows, cols = slice(2 * k * width, 2 * (k + 1) * width), slice(k * width, (k + 1) * width)
-        w_piece = w_gate_up[rows]  # row and column blocks of TMA-ready weights stay TMA-ready
-        a, grad = _forward(x, w_piece, save=Saved.FACTORS, **scales)
-        _backward_(dy, w_down[:, cols], grad, kind=Saved.FACTORS, **scales)  # grad: the piece's [dU | dG]
-        if need_dw_down:
-            torch.mm(dy.t(), a, out=dw_down[:, cols])  # a carries the down multiplier
-        del a
-        if need_dw_gate_up:
-            torch.mm(grad.t(), x, out=dw_gate_up[rows])
-        if need_dx:
-            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
-        del grad  # before the next piece is made
-    return dx, dw_gate_up, dw_down
-
-
-def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, need_dx: bool, need_dw: bool):
-    """dX and the packed dW of the GLU operator, its factors recomputed piece by piece (as above):
-    each piece's factors become its packed gradient in place, give dW's rows of the piece and add
-    the piece's term to dX, and are released."""
-    pieces, width = _recompute_pieces(da.shape[1])
-    dx = None
-    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw else None
-    for k in range(pieces):
-        rows = slice(2 * k * width, 2 * (k + 1) * width)
-        w_piece = w_gate_up[rows]
-        _, grad = _forward(
-            x, w_piece, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
-        )
-        glu_grad_(da[:, k * width : (k + 1) * width], grad)  # in place: the piece's [dU | dG]
-        if need_dw:
-            torch.mm(grad.t(), x, out=dw_gate_up[rows])
-        if need_dx:
-            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
-        del grad  # before the next piece is made
-    return dx, dw_gate_up
+        grads = ops.swiglu_linear_backward(da, *_saved_tensors(ctx), *ctx.scalars, *needs)
+        return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None

@@ -1,31 +1,25 @@
-"""Functional API: packing, autocast and validation, then dispatch (dispatch.py) to the fused training
-path, the fused inference path, or the PyTorch reference where the fused kernels cannot run.
-
-Under ``torch.compile`` an inference call is traced as one custom op (ops.py); a training call runs
-eagerly behind one graph break, because its backward overwrites what the forward kept, or, with
-``compiled_training="traced"``, is traced as a pair of custom ops whose backward overwrites it too,
-once, guarded by a ledger the compiler does not see (training_ops.py, single_use.py).
+"""Functional API: packing, autocast and validation, then one of three paths: the training Function
+(autograd.py), the inference op (ops.py), or the PyTorch reference where the fused kernels cannot run
+(support.py says where they run). Eager calls and ``torch.compile`` take the same path; compiled, all
+of this runs once while Dynamo traces it, and the graph keeps only the ops.
 """
 
 from __future__ import annotations
 
-import functools
 import numbers
-import sys
 from typing import Literal
 
 import torch
 
-from . import ops, training_ops
-from .dispatch import fused_path_available, linear_2d, mlp_2d
+from . import ops
+from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction
 from .layout import check_intermediate_size, pack_gate_up
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
+from .support import fused_path_available
 
 __all__ = ["fused_path_available", "swiglu_linear", "swiglu_mlp"]
 
 SaveMode = Literal["factors", "preact", "recompute"]
-CompiledTraining = Literal["graph_break", "traced"]
-COMPILED_TRAINING = ("graph_break", "traced")
 MLP_SAVE_MODES = ("factors", "preact", "recompute")
 # The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
 LINEAR_SAVE_MODES = ("factors", "recompute")
@@ -33,12 +27,6 @@ LINEAR_SAVE_MODES = ("factors", "recompute")
 # llama2-7b (1-2%), within 1.7% either way elsewhere, with the same peak as "preact" (README,
 # docs/benchmarks/NOTES.md); "preact" keeps a third less between the passes.
 DEFAULT_SAVE: SaveMode = "factors"
-
-
-def check_compiled_training(mode: str) -> str:
-    if mode not in COMPILED_TRAINING:
-        raise ValueError(f"compiled_training must be one of {list(COMPILED_TRAINING)}, got {mode!r}")
-    return mode
 
 
 def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str:
@@ -119,35 +107,6 @@ def _needs_autograd(*args) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
-def _graph_break_if_training(fn):
-    """Under torch.compile, a call that records a backward runs ``fn`` eagerly behind one graph break
-    (ops.py says why); anything else is traced.
-
-    A call that runs eagerly while Dynamo is loaded runs ``fn`` with Dynamo off as well. It may come
-    from a frame Dynamo gave up on: after an error while tracing a frame (a caught shape error, say),
-    Dynamo runs that frame eagerly from then on but still compiles the frames it calls, and would
-    compile the library's internals one by one, kernel launchers and in-place backward included.
-    Dynamo is touched only once something has loaded it: importing it costs about a second, which an
-    eager user never pays."""
-    dynamo_off = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal dynamo_off
-        if torch.compiler.is_compiling():
-            if _needs_autograd(*args) and kwargs.get("compiled_training", "graph_break") != "traced":
-                return torch.compiler.disable(fn)(*args, **kwargs)
-            return fn(*args, **kwargs)
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if dynamo_off is None:
-            dynamo_off = torch.compiler.disable(fn)
-        return dynamo_off(*args, **kwargs)
-
-    return call
-
-
-@_graph_break_if_training
 def swiglu_mlp(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -156,7 +115,6 @@ def swiglu_mlp(
     gate_multiplier: float = 1.0,
     down_multiplier: float = 1.0,
     save: SaveMode = DEFAULT_SAVE,
-    compiled_training: CompiledTraining = "graph_break",
 ) -> torch.Tensor:
     """The SwiGLU MLP ``down_multiplier * down(silu(gate_multiplier * gate(x)) * up(x))``.
 
@@ -170,11 +128,6 @@ def swiglu_mlp(
         save: what training keeps for the backward, per token: ``"factors"`` (default; 3 * intermediate
             elements, the fastest backward), ``"preact"`` (2 * intermediate; the backward recomputes
             the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
-        compiled_training: how a training call runs under ``torch.compile``: ``"graph_break"``
-            (default) runs it eagerly behind one graph break; ``"traced"`` traces it into the graph as
-            two custom ops (no break, ``fullgraph=True`` works), whose backward overwrites what the
-            forward kept, as the eager one does, and peaks as the eager step. Outside ``torch.compile``
-            it changes nothing.
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.
@@ -188,39 +141,29 @@ def swiglu_mlp(
     x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
     _validate(x, gate_up_weight, down_weight)
     check_save_mode(save)
-    check_compiled_training(compiled_training)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     down_multiplier = _check_multiplier("down_multiplier", down_multiplier)
     hidden = gate_up_weight.shape[1]
     x2d = x.reshape(-1, hidden)
 
-    if torch.compiler.is_compiling():  # inference, or traced training (see _graph_break_if_training)
-        scalars = (gate_multiplier, down_multiplier)
-        if not _needs_autograd(x2d, gate_up_weight, down_weight):
-            y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
-        elif fused_path_available(x2d, gate_up_weight):
-            y = training_ops.swiglu_mlp_training(x2d, gate_up_weight, down_weight, *scalars, save)
-        else:  # plain PyTorch, traced as it is
-            y = reference_swiglu_mlp_packed(
-                x2d,
-                gate_up_weight,
-                down_weight,
-                gate_multiplier=gate_multiplier,
-                down_multiplier=down_multiplier,
-            )
+    scalars = (gate_multiplier, down_multiplier)
+    if not fused_path_available(x2d, gate_up_weight):
+        y = reference_swiglu_mlp_packed(
+            x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
+        )
+    elif _needs_autograd(x2d, gate_up_weight, down_weight):
+        y = SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, *scalars, save)
     else:
-        y = mlp_2d(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save)
+        y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
     return y.reshape(*x.shape[:-1], hidden)
 
 
-@_graph_break_if_training
 def swiglu_linear(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     *,
     gate_multiplier: float = 1.0,
     save: Literal["factors", "recompute"] = "factors",
-    compiled_training: CompiledTraining = "graph_break",
 ) -> torch.Tensor:
     """The GLU half alone: ``silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)``, for callers that own the
     down projection (Megatron-style blocks, MoE experts).
@@ -231,7 +174,6 @@ def swiglu_linear(
         gate_multiplier: scalar multiplier of the gate pre-activation.
         save: ``"factors"`` keeps [silu(g) | u * silu'(g)] (2 * intermediate per token; the backward is
             two multiplies, in place) or ``"recompute"`` keeps nothing and re-runs the fused GEMM.
-        compiled_training: ``"graph_break"`` (default) or ``"traced"``, as for ``swiglu_mlp``.
 
     Returns:
         ``[..., intermediate]``.
@@ -240,17 +182,13 @@ def swiglu_linear(
     x, gate_up_weight = _autocast(x, gate_up_weight)
     _validate(x, gate_up_weight)
     check_save_mode(save, LINEAR_SAVE_MODES)
-    check_compiled_training(compiled_training)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     two_inter, hidden = gate_up_weight.shape
     x2d = x.reshape(-1, hidden)
-    if torch.compiler.is_compiling():  # inference, or traced training (see _graph_break_if_training)
-        if not _needs_autograd(x2d, gate_up_weight):
-            a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier)
-        elif fused_path_available(x2d, gate_up_weight):
-            a = training_ops.swiglu_linear_training(x2d, gate_up_weight, gate_multiplier, save)
-        else:  # plain PyTorch, traced as it is
-            a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
+    if not fused_path_available(x2d, gate_up_weight):
+        a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
+    elif _needs_autograd(x2d, gate_up_weight):
+        a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
     else:
-        a = linear_2d(x2d, gate_up_weight, gate_multiplier, save)
+        a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier)
     return a.reshape(*x.shape[:-1], two_inter // 2)

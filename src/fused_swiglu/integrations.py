@@ -8,9 +8,7 @@ from torch import nn
 
 from .functional import (
     DEFAULT_SAVE,
-    CompiledTraining,
     SaveMode,
-    check_compiled_training,
     check_save_mode,
     swiglu_mlp,
 )
@@ -77,7 +75,6 @@ def swap_swiglu_mlps(
     *,
     save: SaveMode = DEFAULT_SAVE,
     check: bool = True,
-    compiled_training: CompiledTraining = "graph_break",
 ) -> list[str]:
     """Replace, in place, every submodule of ``model`` with the LlamaMLP pattern by a ``SwiGLUMLP``
     holding the same weights (same device and dtype, frozen where they were), and return their names.
@@ -87,10 +84,9 @@ def swap_swiglu_mlps(
     on a few random rows; if any forward is not plain SwiGLU, ``ValueError`` is raised and nothing is
     swapped. Modules on the meta device (weights not materialised yet) cannot be compared and are
     swapped unchecked. Modules that do not match the pattern (GELU gates, biases, Linear subclasses,
-    odd sizes) are left as they are. ``save`` and ``compiled_training`` go to every ``SwiGLUMLP``.
+    odd sizes) are left as they are. ``save`` goes to every ``SwiGLUMLP``.
     """
     check_save_mode(save)
-    check_compiled_training(compiled_training)
     candidates = [(name, module) for name, module in model.named_modules() if llama_mlp_pattern(module)]
     if any(not name for name, _ in candidates):
         raise ValueError("fused_swiglu: the model itself is an MLP; use SwiGLUMLP.from_mlp(model)")
@@ -101,6 +97,6 @@ def swap_swiglu_mlps(
         setattr(
             model.get_submodule(parent_name),
             child,
-            SwiGLUMLP.from_mlp(module, save=save, compiled_training=compiled_training),
+            SwiGLUMLP.from_mlp(module, save=save),
         )
     return [name for name, _ in candidates]

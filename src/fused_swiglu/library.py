@@ -1,4 +1,4 @@
-"""The library's operator namespace, ``fused_swiglu::``: its custom ops (ops.py, training_ops.py) are
+"""The library's operator namespace, ``fused_swiglu::``: its custom ops (ops.py) are
 defined and implemented here through ``torch.library.Library``, with fake implementations for tracing.
 
 Why not the ``torch.library.custom_op`` decorator: on every call its wrapper checks each output for

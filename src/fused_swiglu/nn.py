@@ -17,9 +17,7 @@ from torch import nn
 from .functional import (
     DEFAULT_SAVE,
     LINEAR_SAVE_MODES,
-    CompiledTraining,
     SaveMode,
-    check_compiled_training,
     check_save_mode,
     swiglu_linear,
     swiglu_mlp,
@@ -97,8 +95,6 @@ class SwiGLUMLP(nn.Module):
             ``"preact"`` (2I) or ``"recompute"`` (none; one more GEMM in the backward); may be changed
             on the instance.
         gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
-        compiled_training: ``"graph_break"`` (default) or ``"traced"``: how training runs under
-            ``torch.compile`` (see ``swiglu_mlp``); may be changed on the instance.
         device, dtype: of the parameters.
 
     Parameters: ``gate_up_proj`` ``[2I, H]`` (packed, see :mod:`fused_swiglu.layout`) and
@@ -113,20 +109,17 @@ class SwiGLUMLP(nn.Module):
         save: SaveMode = DEFAULT_SAVE,
         gate_multiplier: float = 1.0,
         down_multiplier: float = 1.0,
-        compiled_training: CompiledTraining = "graph_break",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_save_mode(save)
-        check_compiled_training(compiled_training)
         factory = {"device": device, "dtype": dtype}
         _add_packed_gate_up(self, hidden_size, intermediate_size, factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
         self.save = save
         self.gate_multiplier = gate_multiplier
         self.down_multiplier = down_multiplier
-        self.compiled_training = compiled_training
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -160,14 +153,11 @@ class SwiGLUMLP(nn.Module):
             gate_multiplier=self.gate_multiplier,
             down_multiplier=self.down_multiplier,
             save=self.save,
-            compiled_training=self.compiled_training,
         )
 
     def extra_repr(self) -> str:
         parts = [f"hidden_size={self.hidden_size}", f"intermediate_size={self.intermediate_size}"]
         parts.append(f"save={self.save!r}")
-        if self.compiled_training != "graph_break":
-            parts.append(f"compiled_training={self.compiled_training!r}")
         if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
             parts.append(f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}")
         return ", ".join(parts)
@@ -177,8 +167,7 @@ class SwiGLULinear(nn.Module):
     """The GLU half ``silu(gate_multiplier * gate_proj(x)) * up_proj(x)``, ``[..., H] -> [..., I]``, fused.
 
     For blocks that own their down projection (Megatron-style stacks, MoE experts). ``save`` is
-    ``"factors"`` (2I elements kept per token, an in-place two-multiply backward) or ``"recompute"``;
-    ``compiled_training`` is ``"graph_break"`` (default) or ``"traced"`` (see ``swiglu_mlp``).
+    ``"factors"`` (2I elements kept per token, an in-place two-multiply backward) or ``"recompute"``.
     Parameter: ``gate_up_proj`` ``[2I, H]``, packed; state-dict keys ``gate_proj.weight``,
     ``up_proj.weight``.
     """
@@ -190,17 +179,14 @@ class SwiGLULinear(nn.Module):
         *,
         save: str = "factors",
         gate_multiplier: float = 1.0,
-        compiled_training: CompiledTraining = "graph_break",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_save_mode(save, LINEAR_SAVE_MODES)
-        check_compiled_training(compiled_training)
         _add_packed_gate_up(self, hidden_size, intermediate_size, {"device": device, "dtype": dtype})
         self.save = save
         self.gate_multiplier = gate_multiplier
-        self.compiled_training = compiled_training
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -212,16 +198,10 @@ class SwiGLULinear(nn.Module):
             self.gate_up_proj,
             gate_multiplier=self.gate_multiplier,
             save=self.save,
-            compiled_training=self.compiled_training,
         )
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, save={self.save!r}"
             + (f", gate_multiplier={self.gate_multiplier}" if self.gate_multiplier != 1.0 else "")
-            + (
-                f", compiled_training={self.compiled_training!r}"
-                if self.compiled_training != "graph_break"
-                else ""
-            )
         )

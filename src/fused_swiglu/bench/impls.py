@@ -21,14 +21,14 @@ FUSED_SAVES = ("factors", "preact", "recompute")
 IMPL_NAMES = (
     "floor",
     *(f"fused-{s}" for s in FUSED_SAVES),
-    # The fused module ("factors") under torch.compile, training traced into the graph.
+    # The fused module ("factors") under torch.compile.
     "fused-compiled",
     "eager",
     "torch.compile",
     "liger",
     "flash-swiglu-mlp",
 )
-#: On request only (``--impls``): the traced module with pre-activations kept.
+#: On request only (``--impls``): the compiled module with pre-activations kept.
 EXTRA_IMPL_NAMES = ("fused-compiled-preact",)
 
 
@@ -132,7 +132,7 @@ def build_impl(name: str, reference: EagerSwiGLUMLP, x: torch.Tensor, dy: torch.
         return Impl(name, floor.forward, floor.step, measures_memory=False)
     if name.startswith("fused-compiled"):
         save = name.removeprefix("fused-compiled").removeprefix("-") or "factors"
-        module = SwiGLUMLP.from_mlp(reference, save=save, compiled_training="traced")
+        module = SwiGLUMLP.from_mlp(reference, save=save)
         return _module_impl(name, torch.compile(module, dynamic=False), x, dy)
     if name.startswith("fused-"):
         return _module_impl(name, SwiGLUMLP.from_mlp(reference, save=name.removeprefix("fused-")), x, dy)

@@ -28,7 +28,7 @@ COLUMNS = [
 ]
 
 
-def provenance(commit: str | None) -> dict:
+def provenance(commit: str | None, device: str = "cuda") -> dict:
     if commit is None:
         try:
             commit = subprocess.run(
@@ -37,13 +37,13 @@ def provenance(commit: str | None) -> dict:
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
     meta = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu (Triton interpreter)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": commit,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    for package in ("liger_kernel", "flash_swiglu_mlp"):
+    for package in ("liger_kernel", "flash_swiglu_mlp", "transformers"):
         try:
             from importlib.metadata import version
 

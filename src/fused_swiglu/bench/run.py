@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -11,8 +12,10 @@ from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
+from .host import measure_host_time
 from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
+from .model import EXTRA_VARIANTS, MODEL_SIZES, PRECISIONS, VARIANTS, model_table, plot_model, run_model_bench
 from .report import provenance, shape_table, write_json, write_markdown, write_plots
 
 #: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs, see ``benchmarks/fp32_step.py``).
@@ -98,9 +101,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time a new shape's first call in fresh processes (empty, then warm kernel cache)",
     )
+    parser.add_argument(
+        "--host-time",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="also time the host side of one eager training call of each MLP at HIDDEN INTER ROWS "
+        "(default: 1024 2816 16, small enough that the GPU waits for the host)",
+    )
+    model = parser.add_argument_group(
+        "whole model", "bench --model: train LlamaForCausalLM (built from a config) instead of the MLP alone"
+    )
+    model.add_argument(
+        "--model",
+        nargs="*",
+        choices=list(MODEL_SIZES),
+        metavar="SIZE",
+        help=f"train whole models of these sizes (default with no SIZE: {', '.join(MODEL_SIZES)}; "
+        "hidden x layers), each variant in a fresh process",
+    )
+    model.add_argument(
+        "--model-size",
+        type=int,
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("HIDDEN", "INTER", "LAYERS", "TOKENS"),
+        help="an extra model size (tokens per step); repeatable",
+    )
+    model.add_argument(
+        "--variants",
+        nargs="*",
+        default=list(VARIANTS),
+        choices=[*VARIANTS, *EXTRA_VARIANTS],
+        metavar="VARIANT",
+        help=f"model variants (default: {', '.join(VARIANTS)}; also {', '.join(EXTRA_VARIANTS)}, "
+        'under mode="reduce-overhead")',
+    )
+    model.add_argument(
+        "--precisions",
+        nargs="*",
+        default=["autocast"],
+        choices=list(PRECISIONS),
+        help="autocast: fp32 weights under bf16 autocast (default); bf16: every tensor bf16; fp32: no "
+        "autocast (on CPU the interpreter's bf16 dot is wrong, so bf16 calls take the reference there)",
+    )
+    model.add_argument("--steps", type=int, default=20, help="training steps per timing window")
+    model.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (Triton interpreter)")
+    model.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variants")
+    model.add_argument("--timeout", type=float, default=1200, help="seconds one variant's process may take")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None or args.model_size:
+        return run_model(args)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (use `python -m fused_swiglu check` to check the kernels on CPU)")
         return 2
@@ -146,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
         save()
     if args.decode is not None:
         extra_md += _decode_section(args, dtype, shapes, extra_json)
+        save()
+    if args.host_time is not None:
+        extra_md += _host_time_section(args, extra_json)
         save()
     if args.cold_start:
         extra_md += _cold_start_section(shapes, dtype, extra_json)
@@ -219,6 +276,25 @@ def _decode_section(
     ]
 
 
+def _host_time_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
+    hidden, inter, rows = args.host_time or (1024, 2816, 16)
+    title = f"Host time of one eager training call (hidden={hidden}, intermediate={inter}, {rows} rows)"
+    print(f"\n{title}", flush=True)
+    found = measure_host_time(hidden, inter, rows, reps=args.reps, log=lambda s: print(s, flush=True))
+    extra_json["host_time"] = found
+    from ..tables import format_table
+
+    table = format_table(["impl", "us per call"], [[r["impl"], r["host_us"]] for r in found], True)
+    return [
+        f"## {title}",
+        "",
+        "Calls back to back, wall time per call (host-bound at this size).",
+        "",
+        table,
+        "",
+    ]
+
+
 def _cold_start_section(shapes: dict, dtype: torch.dtype, extra_json: dict) -> list[str]:
     name, (m, h, i) = next(iter(shapes.items()), ("llama3-8b", SHAPES["llama3-8b"]))
     cold, warm = cold_start_seconds(m, h, i, DEFAULT_SAVE, dtype)
@@ -236,3 +312,42 @@ def _cold_start_section(shapes: dict, dtype: torch.dtype, extra_json: dict) -> l
     )
     print("\n" + line, flush=True)
     return [line, ""]
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """``bench --model``: whole models, every variant in a fresh process; a table, JSON, Markdown, PNG."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench --model needs a CUDA GPU (or --device cpu for a smoke run under the Triton interpreter)")
+        return 2
+    sizes = {name: MODEL_SIZES[name] for name in (args.model or ([] if args.model_size else MODEL_SIZES))}
+    sizes |= {f"{h}/{i}x{n}-{t}": (h, i, n, t) for h, i, n, t in args.model_size}
+    meta = provenance(args.commit, args.device)
+    print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit'][:12]}")
+    results, rows = run_model_bench(
+        sizes,
+        args.variants,
+        args.precisions,
+        reps=args.reps,
+        steps=args.steps,
+        device=args.device,
+        backend=args.backend,
+        timeout=args.timeout,
+        log=lambda line: print(line, flush=True),
+    )
+    print(model_table(rows), flush=True)
+    out = args.out / "model"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": results}, indent=1))
+    header = (
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
+        f"{meta.get('transformers')}, liger-kernel {meta.get('liger_kernel')}, commit {meta['commit'][:12]}, "
+        f"{meta['date']}. Median of {args.reps} fresh processes per variant (min-max beside it), "
+        f"{args.steps} steps per timing window."
+    )
+    (out / "results.md").write_text(f"# Whole-model training step\n\n{header}\n\n{model_table(rows, True)}\n")
+    written = [out / "results.json", out / "results.md"]
+    if not args.no_plots:
+        plot_model(rows, out / "step_vs_stock.png")
+        written.append(out / "step_vs_stock.png")
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0 if all("error" not in r for r in results) else 1

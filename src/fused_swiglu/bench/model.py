@@ -1,0 +1,345 @@
+"""``bench --model``: whole Hugging Face models training, stock against Liger-Kernel and the fused MLP.
+
+A ``LlamaForCausalLM`` built from a config (no download), trained with AdamW on random tokens, eager
+and under ``torch.compile``. Every variant runs in a fresh process of its own: a class-level patch
+(Liger's) or a compile cache must not leak into the next one. Each process reports ms per step,
+peak memory, compile seconds, Dynamo's graphs, graph breaks and recompiles, and the first steps'
+losses, which are compared with stock eager's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+#: Whole-model sizes: hidden, intermediate, layers, tokens per step (sequences of ``SEQUENCE``).
+MODEL_SIZES = {
+    "1024x4": (1024, 2816, 4, 4096),
+    "1024x32": (1024, 2816, 32, 4096),
+    "2048x16": (2048, 8192, 16, 8192),
+    "4096x2": (4096, 14336, 2, 8192),
+}
+SEQUENCE = 2048
+VOCAB = 32000
+HEAD_DIM = 128
+
+#: Variants: what is patched or swapped, and whether it is compiled (``-ro``: ``mode="reduce-overhead"``).
+VARIANTS = (
+    "stock-eager",
+    "stock-compiled",
+    "liger-eager",
+    "liger-compiled",
+    "fused-eager",
+    "fused-compiled",
+    "fused-compiled-preact",
+    "fused-compiled-recompute",
+)
+EXTRA_VARIANTS = ("stock-compiled-ro", "fused-compiled-ro", "liger-compiled-ro")
+PRECISIONS = ("autocast", "bf16", "fp32")
+LOSS_STEPS = 3  # the first steps' losses, compared with stock eager's
+
+
+@dataclass
+class RunSpec:
+    """One process's work: a variant of one model size in one precision."""
+
+    variant: str
+    hidden: int
+    intermediate: int
+    layers: int
+    tokens: int
+    precision: str = "autocast"
+    steps: int = 20
+    windows: int = 3
+    device: str = "cuda"
+    backend: str = "inductor"
+    sequence: int = SEQUENCE
+    vocab: int = VOCAB
+
+
+def _config(spec: RunSpec):
+    from transformers import LlamaConfig
+
+    heads = max(1, spec.hidden // HEAD_DIM)
+    return LlamaConfig(
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=spec.hidden // heads,
+        vocab_size=spec.vocab,
+        max_position_embeddings=spec.sequence,
+        attn_implementation="sdpa",
+    )
+
+
+def _build_model(spec: RunSpec):
+    """The model of ``spec`` with the variant's MLPs, same weights in every variant (seeded)."""
+    from transformers import LlamaForCausalLM
+
+    kind = spec.variant.split("-")[0]
+    if kind == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # The MLP only: the same comparison as the fused swap (rope, norms and loss stay stock).
+        apply_liger_kernel_to_llama(
+            rope=False, rms_norm=False, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+        )
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32  # autocast: fp32 master weights
+    model = LlamaForCausalLM(_config(spec)).to(device=spec.device, dtype=dtype)
+    if kind == "fused":
+        from ..integrations import swap_swiglu_mlps
+
+        save = next((s for s in ("preact", "recompute") if s in spec.variant), "factors")
+        swap_swiglu_mlps(model, save=save)
+    model.train()
+    if "compiled" in spec.variant:
+        mode = "reduce-overhead" if spec.variant.endswith("-ro") else None
+        model = torch.compile(model, backend=spec.backend, mode=mode)
+    return model
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_variant(spec: RunSpec) -> dict:
+    """Train ``spec``'s model in this process and report what it measured."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = _build_model(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=spec.device.startswith("cuda"))
+    batch = max(1, spec.tokens // spec.sequence)
+    sequence = spec.tokens // batch
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, spec.vocab, (batch, sequence), generator=gen).to(spec.device)
+    autocast = torch.autocast(
+        spec.device.split(":")[0], dtype=torch.bfloat16, enabled=spec.precision == "autocast"
+    )
+
+    def step() -> torch.Tensor:
+        if spec.variant.endswith("-ro"):
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast:
+            loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    start = time.perf_counter()
+    losses = [step()]
+    _sync(spec.device)
+    first_step_s = time.perf_counter() - start
+    graphs_after_first = counters["stats"]["unique_graphs"]
+    losses += [step() for _ in range(LOSS_STEPS - 1)]
+    if spec.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    window_ms = []
+    for _ in range(spec.windows):
+        _sync(spec.device)
+        start = time.perf_counter()
+        for _ in range(spec.steps):
+            step()
+        _sync(spec.device)
+        window_ms.append((time.perf_counter() - start) * 1e3 / spec.steps)
+    step_ms = statistics.median(window_ms)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if spec.device.startswith("cuda") else None
+    return {
+        **asdict(spec),
+        "step_ms": step_ms,
+        "window_ms": window_ms,
+        "tokens_per_s": spec.tokens / step_ms * 1e3,
+        "peak_mib": peak,
+        "compile_s": max(0.0, first_step_s - step_ms / 1e3) if "compiled" in spec.variant else None,
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first,
+        "losses": [float(loss) for loss in losses],
+    }
+
+
+def run_in_fresh_process(spec: RunSpec, env: dict | None = None, timeout: float | None = None) -> dict:
+    """``run_variant(spec)`` in a new Python process; a failure is reported, not raised."""
+    command = [sys.executable, "-m", "fused_swiglu.bench.model", json.dumps(asdict(spec))]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**asdict(spec), "error": f"timed out after {timeout} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return {**asdict(spec), "error": " / ".join(tail) or f"exit code {done.returncode}"}
+
+
+def loss_agreement(results: list[dict]) -> None:
+    """Adds ``loss_rel_diff``: the largest relative difference of a run's first losses from stock
+    eager's, in the same size and precision (``None`` where stock eager did not run)."""
+    stock = {
+        (r["hidden"], r["intermediate"], r["layers"], r["tokens"], r["precision"]): r["losses"]
+        for r in results
+        if r["variant"] == "stock-eager" and "losses" in r
+    }
+    for r in results:
+        key = (r["hidden"], r["intermediate"], r["layers"], r["tokens"], r["precision"])
+        if "losses" in r and key in stock:
+            pairs = zip(r["losses"], stock[key], strict=True)
+            r["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in pairs)
+
+
+def _summary(results: list[dict]) -> list[dict]:
+    """One row per (size, precision, variant): medians over repetitions, the spread, ratios to stock
+    compiled and stock eager of the same size and precision."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        key = (r["hidden"], r["intermediate"], r["layers"], r["tokens"], r["precision"], r["variant"])
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for (hidden, inter, layers, tokens, precision, variant), runs in groups.items():
+        ok = [r for r in runs if "error" not in r]
+        row = {
+            "size": f"{hidden}/{inter} x {layers}, {tokens} tokens",
+            "precision": precision,
+            "variant": variant,
+            "runs": len(ok),
+            "error": next((r["error"] for r in runs if "error" in r), None),
+        }
+        if ok:
+            ms = [r["step_ms"] for r in ok]
+            row |= {
+                "step_ms": statistics.median(ms),
+                "step_ms_min": min(ms),
+                "step_ms_max": max(ms),
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+                "peak_mib": max((r["peak_mib"] for r in ok if r["peak_mib"] is not None), default=None),
+                "compile_s": statistics.median(r["compile_s"] for r in ok)
+                if ok[0]["compile_s"] is not None
+                else None,
+                "graphs": max(r["graphs"] for r in ok),
+                "graph_breaks": max(r["graph_breaks"] for r in ok),
+                "recompiles": max(r["recompiles"] for r in ok),
+                "loss_rel_diff": max((r["loss_rel_diff"] for r in ok if "loss_rel_diff" in r), default=None),
+            }
+        rows.append(row)
+    by_key = {(row["size"], row["precision"], row["variant"]): row for row in rows}
+    for row in rows:
+        for base in ("stock-compiled", "stock-eager"):
+            other = by_key.get((row["size"], row["precision"], base), {})
+            if "step_ms" in other and "step_ms" in row:
+                row[f"vs_{base.replace('-', '_')}"] = row["step_ms"] / other["step_ms"]
+    return rows
+
+
+MODEL_COLUMNS = [
+    ("size", "model"),
+    ("precision", "precision"),
+    ("variant", "variant"),
+    ("step_ms", "ms/step"),
+    ("spread", "min-max"),
+    ("vs_stock_compiled", "vs stock compiled"),
+    ("vs_stock_eager", "vs stock eager"),
+    ("tokens_per_s", "tokens/s"),
+    ("peak_mib", "peak MiB"),
+    ("compile_s", "compile s"),
+    ("graphs", "graphs"),
+    ("graph_breaks", "breaks"),
+    ("recompiles", "recompiles"),
+    ("loss_rel_diff", "loss diff"),
+]
+
+
+def _cells(row: dict) -> list:
+    if row.get("step_ms") is None:
+        return [row["size"], row["precision"], row["variant"], f"failed: {row['error']}"] + [""] * (
+            len(MODEL_COLUMNS) - 4
+        )
+    spread = f"{row['step_ms_min']:.2f}-{row['step_ms_max']:.2f}"
+    return [spread if key == "spread" else row.get(key) for key, _ in MODEL_COLUMNS]
+
+
+def model_table(rows: list[dict], markdown: bool = False) -> str:
+    from ..tables import format_table
+
+    return format_table([title for _, title in MODEL_COLUMNS], [_cells(row) for row in rows], markdown)
+
+
+def plot_model(rows: list[dict], path) -> None:
+    """Bars of ms/step over stock compiled (stock eager where stock compiled did not run), one group
+    per model size and precision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = "vs_stock_compiled" if any(r.get("vs_stock_compiled") for r in rows) else "vs_stock_eager"
+    groups = list(dict.fromkeys((r["size"], r["precision"]) for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows if r.get(base)))
+    by_key = {(r["size"], r["precision"], r["variant"]): r.get(base) for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 4))
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        values = [by_key.get((*g, variant)) or 0.0 for g in groups]
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{s}\n{p}" for s, p in groups], fontsize=7)
+    ax.set_ylabel(f"ms/step over {base.removeprefix('vs_').replace('_', ' ')} (lower is faster)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_model_bench(
+    sizes: dict[str, tuple[int, int, int, int]],
+    variants: list[str],
+    precisions: list[str],
+    *,
+    reps: int,
+    steps: int,
+    device: str = "cuda",
+    backend: str = "inductor",
+    timeout: float | None = None,
+    log=print,
+) -> tuple[list[dict], list[dict]]:
+    """Every (size, precision, variant) ``reps`` times, each in a fresh process, the order of the
+    variants rotating every repetition; returns every run and the summary rows."""
+    results = []
+    for name, (hidden, inter, layers, tokens) in sizes.items():
+        for precision in precisions:
+            for rep in range(reps):
+                shift = rep % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    spec = RunSpec(
+                        variant,
+                        hidden,
+                        inter,
+                        layers,
+                        tokens,
+                        precision,
+                        steps,
+                        device=device,
+                        backend=backend,
+                    )
+                    r = run_in_fresh_process(spec, timeout=timeout)
+                    results.append(r)
+                    what = r.get("error") or f"{r['step_ms']:.2f} ms/step, peak {r['peak_mib'] or 0:.0f} MiB"
+                    log(f"[{name} {precision} rep {rep + 1}/{reps}] {variant}: {what}")
+    loss_agreement(results)
+    return results, _summary(results)
+
+
+if __name__ == "__main__":
+    result = run_variant(RunSpec(**json.loads(sys.argv[1])))
+    print(json.dumps(result), flush=True)

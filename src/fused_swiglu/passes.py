@@ -1,0 +1,191 @@
+"""The passes of the fused operators over 2-D, TMA-ready tensors: inference, the training forward and
+the training backward, each a few kernel launches and cuBLAS GEMMs. The kernel choice is in
+``kernels/configs.py``; the custom ops (ops.py) call these.
+
+What is kept between forward and backward, per token (x and the weights not counted):
+
+* ``"factors"``: [silu(g) | gate_multiplier * u * silu'(g)] (2I), plus a (I) for the MLP's dW_down;
+* ``"preact"``: [u | g] (2I); the MLP backward recomputes the sigmoid and ``a``;
+* ``"recompute"``: nothing; the backward first re-runs the fused gate/up GEMM (one more GEMM), in
+  ``RECOMPUTE_PIECES`` column pieces, so that only one piece of what it recomputes is alive at a time.
+
+The backward overwrites the saved packed tensor with the packed pre-activation gradient (ops.py
+guards that it happens once).
+
+Inference saves nothing. At decode sizes (``CUBLAS_DECODE_ROWS`` rows or fewer) it runs the gate/up GEMM
+on cuBLAS plus one activation pass, which measured faster there than the fused kernel.
+
+fp32 on a GPU runs both GLU GEMMs on cuBLAS with the SwiGLU in in-place passes beside them
+(``kernels/glu_split.py``): same saved tensors, same in-place contract, cuBLAS's fp32 speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.common import CHUNK, Saved, empty, interpreting
+from .kernels.configs import (
+    backward_is_warp_specialized,
+    forward_is_warp_specialized,
+    gemms_on_cublas,
+    inference_uses_cublas,
+)
+from .kernels.glu_activation import glu_activation
+from .kernels.glu_backward import glu_backward_
+from .kernels.glu_backward_ws import glu_backward_ws_
+from .kernels.glu_forward import glu_forward
+from .kernels.glu_forward_ws import glu_forward_ws
+from .kernels.glu_grad import glu_grad_
+from .kernels.glu_split import glu_backward_split_, glu_forward_split
+
+#: What the forward kernel writes in training, per save mode.
+KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
+
+#: The recompute backward redoes the [M, 2I] factors (and, for the MLP, ``a``) in this many column
+#: pieces, each released before the next is made, so only one piece is alive beside the gradients.
+#: Two, because dX is then the sum of two partial products rounded to x's dtype, as in eager
+#: PyTorch, which adds its two projections' input gradients; more pieces would add roundings to dX.
+RECOMPUTE_PIECES = 2
+
+
+def _recompute_pieces(inter: int) -> tuple[int, int]:
+    """How many pieces of how many intermediate columns: whole packed chunks each, else one piece."""
+    pieces = RECOMPUTE_PIECES if inter % (RECOMPUTE_PIECES * CHUNK) == 0 else 1
+    return pieces, inter // pieces
+
+
+def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, *, save: Saved, write_a: bool = True, **scales):
+    """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
+    plus an in-place pass (same contract)."""
+    on_gpu = not interpreting()
+    if forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
+        return glu_forward_ws(x, w_gate_up, save=save, **scales)
+    split = gemms_on_cublas(x.dtype, on_gpu)
+    return (glu_forward_split if split else glu_forward)(x, w_gate_up, save=save, write_a=write_a, **scales)
+
+
+def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, kind, **scales):
+    """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
+    plus a gradient pass (same contract: the gradient over ``saved``)."""
+    on_gpu = not interpreting()
+    if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, kind):
+        return glu_backward_ws_(dy, w_down, saved, kind=kind, **scales)
+    split = gemms_on_cublas(dy.dtype, on_gpu)
+    launch = glu_backward_split_ if split else glu_backward_
+    return launch(dy, w_down, saved, kind=kind, **scales)
+
+
+def _glu_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_scale: float, out_scale: float):
+    """``out_scale * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
+    if inference_uses_cublas(x.shape[0]):
+        h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
+        return glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
+    a, _ = _forward(x, w_gate_up, gate_scale=gate_scale, out_scale=out_scale, save=Saved.NOTHING)
+    return a
+
+
+def swiglu_mlp_no_grad(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_multiplier: float,
+    down_multiplier: float,
+) -> torch.Tensor:
+    """Inference: nothing is saved."""
+    return torch.mm(_glu_no_grad(x, w_gate_up, gate_multiplier, down_multiplier), w_down.t())
+
+
+def swiglu_linear_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_multiplier: float) -> torch.Tensor:
+    """Inference of the GLU half."""
+    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0)
+
+
+def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict):
+    """y, the saved packed tensor (``None`` for ``Saved.NOTHING``) and ``a`` scaled by the down
+    multiplier (``None`` unless the factors are saved, where dW_down needs it)."""
+    a, saved = _forward(x, w_gate_up, save=kept, **scales)
+    y = torch.mm(a, w_down.t())
+    # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
+    return y, saved, a if kept == Saved.FACTORS else None
+
+
+def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, needs):
+    """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
+
+    Overwrites ``saved`` with the packed pre-activation gradient. With saved factors, dW_down needs
+    ``a``, which the caller holds: it makes dW_down itself, and ``needs`` must not ask for it here.
+    """
+    need_dx, need_dw_gate_up, need_dw_down = needs
+    if kept == Saved.NOTHING:
+        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
+    assert not (kept == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
+    recomputed = _backward_(dy, w_down, saved, kind=kept, **scales)  # a, for saved pre-activations
+    dw_down = torch.mm(dy.t(), recomputed) if need_dw_down else None
+    del recomputed
+    dx = torch.mm(saved, w_gate_up) if need_dx else None  # saved now holds [dU | dG], packed
+    dw_gate_up = torch.mm(saved.t(), x) if need_dw_gate_up else None
+    return dx, dw_gate_up, dw_down
+
+
+def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved):
+    """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
+    return _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
+
+
+def linear_backward_(da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs):
+    """(dX, packed dW_gate_up), each ``None`` where ``needs`` says it is not needed; overwrites the
+    saved ``factors`` with the packed pre-activation gradient."""
+    need_dx, need_dw = needs
+    if kept == Saved.NOTHING:
+        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, need_dx, need_dw)
+    grad_gate_up = glu_grad_(da, factors)  # [dU | dG], over the factors
+    dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
+    dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
+    return dx, dw_gate_up
+
+
+def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gate_up, need_dw_down):
+    """dX and the packed dW_gate_up and dW_down of the MLP, ``a`` and the factors recomputed piece by
+    piece: piece k covers intermediate columns [k * width, (k + 1) * width), packed weight rows
+    [2k * width, 2(k + 1) * width) (whole chunks). Factors rather than pre-activations: the forward
+    kernel writes a and the factors at the cost of one, and they make the backward epilogue cheaper."""
+    pieces, width = _recompute_pieces(w_down.shape[1])
+    dx = None
+    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw_gate_up else None
+    dw_down = empty(tuple(w_down.shape), x) if need_dw_down else None
+    for k in range(pieces):
+        rows, cols = slice(2 * k * width, 2 * (k + 1) * width), slice(k * width, (k + 1) * width)
+        w_piece = w_gate_up[rows]  # row and column blocks of TMA-ready weights stay TMA-ready
+        a, grad = _forward(x, w_piece, save=Saved.FACTORS, **scales)
+        _backward_(dy, w_down[:, cols], grad, kind=Saved.FACTORS, **scales)  # grad: the piece's [dU | dG]
+        if need_dw_down:
+            torch.mm(dy.t(), a, out=dw_down[:, cols])  # a carries the down multiplier
+        del a
+        if need_dw_gate_up:
+            torch.mm(grad.t(), x, out=dw_gate_up[rows])
+        if need_dx:
+            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
+        del grad  # before the next piece is made
+    return dx, dw_gate_up, dw_down
+
+
+def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, need_dx: bool, need_dw: bool):
+    """dX and the packed dW of the GLU operator, its factors recomputed piece by piece (as above):
+    each piece's factors become its packed gradient in place, give dW's rows of the piece and add
+    the piece's term to dX, and are released."""
+    pieces, width = _recompute_pieces(da.shape[1])
+    dx = None
+    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw else None
+    for k in range(pieces):
+        rows = slice(2 * k * width, 2 * (k + 1) * width)
+        w_piece = w_gate_up[rows]
+        _, grad = _forward(
+            x, w_piece, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
+        )
+        glu_grad_(da[:, k * width : (k + 1) * width], grad)  # in place: the piece's [dU | dG]
+        if need_dw:
+            torch.mm(grad.t(), x, out=dw_gate_up[rows])
+        if need_dx:
+            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
+        del grad  # before the next piece is made
+    return dx, dw_gate_up
