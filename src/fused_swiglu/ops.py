@@ -68,6 +68,12 @@ def _on_tensor_device(fn):
     return call
 
 
+def _signature(*tensors: torch.Tensor) -> tuple:
+    """What the kernels' launches specialize on in these inputs (KernelLauncher's ``caller_key``): the
+    launches' other tensors are new, made from these shapes, and 16-byte aligned."""
+    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+
+
 def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     # Custom ops return tensors only: what a save mode does not keep is an empty tensor.
     return like.new_empty(0) if t is None else t
@@ -80,7 +86,7 @@ def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def _mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier):
     """x [M, H], packed [2I, H], down [H, I] -> y [M, H]; nothing kept."""
     args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight))
-    return swiglu_mlp_no_grad(*args, gate_multiplier, down_multiplier)
+    return swiglu_mlp_no_grad(*args, gate_multiplier, down_multiplier, ("mlp", *_signature(*args)))
 
 
 def _mlp_inference_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier):
@@ -100,7 +106,7 @@ def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multipl
     """y [M, H], the kept packed [M, 2I] tensor and ``a`` [M, I] (each empty where ``save`` keeps none)."""
     scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
     args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight))
-    y, kept, a = mlp_forward(*args, KEPT[save], scales)
+    y, kept, a = mlp_forward(*args, KEPT[save], scales, ("mlp", *_signature(*args)))
     return y, _empty_if_none(kept, x2d), _empty_if_none(a, x2d)
 
 
@@ -128,8 +134,8 @@ def _mlp_backward(
     if KEPT[save] != Saved.NOTHING:
         _overwrite_once(kept)
     scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
-    weights = (tma_ready(gate_up_weight), tma_ready(down_weight))
-    grads = mlp_backward_(tma_ready(dy), tma_ready(x2d), *weights, kept, KEPT[save], scales, needs)
+    args = (tma_ready(dy), tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), kept)
+    grads = mlp_backward_(*args, KEPT[save], scales, needs, ("mlp", *_signature(*args)))
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
@@ -155,7 +161,8 @@ swiglu_mlp_backward = define(
 @_on_tensor_device
 def _linear_inference(x2d, gate_up_weight, gate_multiplier):
     """x [M, H], packed [2I, H] -> a [M, I]; nothing kept."""
-    return swiglu_linear_no_grad(tma_ready(x2d), tma_ready(gate_up_weight), gate_multiplier)
+    args = (tma_ready(x2d), tma_ready(gate_up_weight))
+    return swiglu_linear_no_grad(*args, gate_multiplier, ("glu", *_signature(*args)))
 
 
 def _linear_inference_fake(x2d, gate_up_weight, gate_multiplier):
@@ -172,7 +179,8 @@ swiglu_linear_inference = define(
 @_on_tensor_device
 def _linear_forward(x2d, gate_up_weight, gate_multiplier, save):
     """``a`` [M, I] and the kept factors [M, 2I] (empty for ``"recompute"``)."""
-    a, factors = linear_forward(tma_ready(x2d), tma_ready(gate_up_weight), gate_multiplier, KEPT[save])
+    args = (tma_ready(x2d), tma_ready(gate_up_weight))
+    a, factors = linear_forward(*args, gate_multiplier, KEPT[save], ("glu", *_signature(*args)))
     return a, _empty_if_none(factors, x2d)
 
 
@@ -195,8 +203,9 @@ def _linear_backward(da, x2d, gate_up_weight, factors, gate_multiplier, save, ne
     """dX and the packed dW_gate_up (empty where not needed); overwrites ``factors``."""
     if KEPT[save] != Saved.NOTHING:
         _overwrite_once(factors)
-    args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors, KEPT[save])
-    grads = linear_backward_(*args, gate_multiplier, (need_dx, need_dw))
+    args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors)
+    key = ("glu", *_signature(*args))
+    grads = linear_backward_(*args, KEPT[save], gate_multiplier, (need_dx, need_dw), key)
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 

@@ -54,62 +54,57 @@ def _recompute_pieces(inter: int) -> tuple[int, int]:
     return pieces, inter // pieces
 
 
-def _forward(x: torch.Tensor, w_gate_up: torch.Tensor, *, save: Saved, write_a: bool = True, **scales):
+def _forward(x, w_gate_up, *, save: Saved, write_a: bool = True, caller_key=None, **scales):
     """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus an in-place pass (same contract)."""
     on_gpu = not interpreting()
     if forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
-        return glu_forward_ws(x, w_gate_up, save=save, **scales)
-    split = gemms_on_cublas(x.dtype, on_gpu)
-    return (glu_forward_split if split else glu_forward)(x, w_gate_up, save=save, write_a=write_a, **scales)
+        return glu_forward_ws(x, w_gate_up, save=save, caller_key=caller_key, **scales)
+    launch = glu_forward_split if gemms_on_cublas(x.dtype, on_gpu) else glu_forward
+    return launch(x, w_gate_up, save=save, write_a=write_a, caller_key=caller_key, **scales)
 
 
-def _backward_(dy: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor, *, kind, **scales):
+def _backward_(dy, w_down, saved, *, kind, caller_key=None, **scales):
     """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus a gradient pass (same contract: the gradient over ``saved``)."""
     on_gpu = not interpreting()
     if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, kind):
-        return glu_backward_ws_(dy, w_down, saved, kind=kind, **scales)
-    split = gemms_on_cublas(dy.dtype, on_gpu)
-    launch = glu_backward_split_ if split else glu_backward_
-    return launch(dy, w_down, saved, kind=kind, **scales)
+        return glu_backward_ws_(dy, w_down, saved, kind=kind, caller_key=caller_key, **scales)
+    launch = glu_backward_split_ if gemms_on_cublas(dy.dtype, on_gpu) else glu_backward_
+    return launch(dy, w_down, saved, kind=kind, caller_key=caller_key, **scales)
 
 
-def _glu_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_scale: float, out_scale: float):
+def _glu_no_grad(x, w_gate_up, gate_scale: float, out_scale: float, caller_key=None):
     """``out_scale * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
+    scales = {"gate_scale": gate_scale, "out_scale": out_scale}
     if inference_uses_cublas(x.shape[0]):
         h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
-        return glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
-    a, _ = _forward(x, w_gate_up, gate_scale=gate_scale, out_scale=out_scale, save=Saved.NOTHING)
+        return glu_activation(h, caller_key=caller_key, **scales)
+    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, caller_key=caller_key, **scales)
     return a
 
 
-def swiglu_mlp_no_grad(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    gate_multiplier: float,
-    down_multiplier: float,
-) -> torch.Tensor:
+def swiglu_mlp_no_grad(x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, caller_key=None):
     """Inference: nothing is saved."""
-    return torch.mm(_glu_no_grad(x, w_gate_up, gate_multiplier, down_multiplier), w_down.t())
+    a = _glu_no_grad(x, w_gate_up, gate_multiplier, down_multiplier, caller_key)
+    return torch.mm(a, w_down.t())
 
 
-def swiglu_linear_no_grad(x: torch.Tensor, w_gate_up: torch.Tensor, gate_multiplier: float) -> torch.Tensor:
+def swiglu_linear_no_grad(x, w_gate_up, gate_multiplier: float, caller_key=None) -> torch.Tensor:
     """Inference of the GLU half."""
-    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0)
+    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0, caller_key)
 
 
-def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict):
+def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict, caller_key=None):
     """y, the saved packed tensor (``None`` for ``Saved.NOTHING``) and ``a`` scaled by the down
     multiplier (``None`` unless the factors are saved, where dW_down needs it)."""
-    a, saved = _forward(x, w_gate_up, save=kept, **scales)
+    a, saved = _forward(x, w_gate_up, save=kept, caller_key=caller_key, **scales)
     y = torch.mm(a, w_down.t())
     # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
     return y, saved, a if kept == Saved.FACTORS else None
 
 
-def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, needs):
+def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, needs, caller_key=None):
     """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
 
     Overwrites ``saved`` with the packed pre-activation gradient. With saved factors, dW_down needs
@@ -119,7 +114,8 @@ def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, ne
     if kept == Saved.NOTHING:
         return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
     assert not (kept == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
-    recomputed = _backward_(dy, w_down, saved, kind=kept, **scales)  # a, for saved pre-activations
+    # a, recomputed for saved pre-activations
+    recomputed = _backward_(dy, w_down, saved, kind=kept, caller_key=caller_key, **scales)
     dw_down = torch.mm(dy.t(), recomputed) if need_dw_down else None
     del recomputed
     dx = torch.mm(saved, w_gate_up) if need_dx else None  # saved now holds [dU | dG], packed
@@ -127,18 +123,19 @@ def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, ne
     return dx, dw_gate_up, dw_down
 
 
-def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved):
+def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved, caller_key=None):
     """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
-    return _forward(x, w_gate_up, gate_scale=gate_multiplier, out_scale=1.0, save=kept)
+    scales = {"gate_scale": gate_multiplier, "out_scale": 1.0}
+    return _forward(x, w_gate_up, save=kept, caller_key=caller_key, **scales)
 
 
-def linear_backward_(da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs):
+def linear_backward_(da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs, caller_key=None):
     """(dX, packed dW_gate_up), each ``None`` where ``needs`` says it is not needed; overwrites the
     saved ``factors`` with the packed pre-activation gradient."""
     need_dx, need_dw = needs
     if kept == Saved.NOTHING:
         return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, need_dx, need_dw)
-    grad_gate_up = glu_grad_(da, factors)  # [dU | dG], over the factors
+    grad_gate_up = glu_grad_(da, factors, caller_key=caller_key)  # [dU | dG], over the factors
     dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
     dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
     return dx, dw_gate_up

@@ -151,6 +151,7 @@ def glu_backward_(
     kind: Saved,
     config: TileConfig | None = None,
     grad: torch.Tensor | None = None,
+    caller_key=None,
 ) -> torch.Tensor | None:
     """Write the packed pre-activation gradient [dU | dG] over ``saved`` [M, 2I], in place, or into
     ``grad`` (the same shape) where given, leaving ``saved`` as it was.
@@ -183,5 +184,6 @@ def glu_backward_(
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,
         **cfg.kernel_meta(),
+        caller_key=caller_key,
     )
     return a

@@ -317,6 +317,7 @@ def glu_backward_ws_(
     out_scale: float,
     config: WSConfig | None = None,
     grad: torch.Tensor | None = None,
+    caller_key=None,
 ) -> torch.Tensor | None:
     """Write [dU | dG] over the saved packed [M, 2I] tensor, in place, or into ``grad`` (the same
     shape and strides) where given, leaving the saved tensor as it was (bf16/fp16, sm_90).
@@ -343,7 +344,15 @@ def glu_backward_ws_(
     grid = (c.programs(m, inter, dy.device),)
     if isinstance(c, PingPongConfig):
         _launch_backward_pp(
-            grid, *descriptors, m, inter, hidden, float(out_scale), NSAVED=c.saved_buffers, **c.meta()
+            grid,
+            *descriptors,
+            m,
+            inter,
+            hidden,
+            float(out_scale),
+            NSAVED=c.saved_buffers,
+            caller_key=caller_key,
+            **c.meta(),
         )
         return None
     a = empty((m, inter), dy) if kind == Saved.PREACT else None
@@ -359,5 +368,6 @@ def glu_backward_ws_(
         NSAVED=c.saved_buffers,
         NA=max(c.a_buffers, 1),
         **c.meta(),
+        caller_key=caller_key,
     )
     return a

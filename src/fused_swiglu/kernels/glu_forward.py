@@ -136,6 +136,7 @@ def glu_forward(
     save: Saved,
     write_a: bool = True,
     config: TileConfig | None = None,
+    caller_key=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable.
 
@@ -167,5 +168,6 @@ def glu_forward(
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,
         **cfg.kernel_meta(),
+        caller_key=caller_key,
     )
     return a, saved

@@ -161,6 +161,7 @@ def glu_forward_ws(
     out_scale: float,
     save: Saved,
     config: WSForwardConfig = CONFIG,
+    caller_key=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``a`` [M, I] (scaled by ``out_scale``) and the saved packed [M, 2I] tensor (``None`` in
     inference), like ``glu_forward`` with ``write_a=True`` (bf16/fp16, sm_90).
@@ -187,5 +188,6 @@ def glu_forward_ws(
         NBUF=c.buffers,
         SAVE=int(save),
         **c.meta(),
+        caller_key=caller_key,
     )
     return a, saved

@@ -23,6 +23,7 @@ def glu_forward_split(
     out_scale: float,
     save: Saved,
     write_a: bool = True,
+    caller_key=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``glu_forward`` with cuBLAS's x @ W_packed^T: returns ``(a or None, saved or None)``."""
     if not write_a and save == Saved.NOTHING:
@@ -32,7 +33,12 @@ def glu_forward_split(
     a = None
     if write_a or factors:
         a = glu_activation(
-            h, gate_scale=gate_scale, out_scale=out_scale, factors_in_place=factors, write_a=write_a
+            h,
+            gate_scale=gate_scale,
+            out_scale=out_scale,
+            factors_in_place=factors,
+            write_a=write_a,
+            caller_key=caller_key,
         )
     return a, (None if save == Saved.NOTHING else h)
 
@@ -46,9 +52,12 @@ def glu_backward_split_(
     out_scale: float,
     kind: Saved,
     grad: torch.Tensor | None = None,
+    caller_key=None,
 ) -> torch.Tensor | None:
     """``glu_backward_`` with cuBLAS's dY @ W_down: [dU | dG] over ``saved`` or into ``grad``;
     returns the recomputed ``out_scale * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
     da = torch.mm(dy, w_down)
-    glu_grad_(da, saved, kind=kind, gate_scale=gate_scale, out_scale=out_scale, grad=grad)
+    glu_grad_(
+        da, saved, kind=kind, gate_scale=gate_scale, out_scale=out_scale, grad=grad, caller_key=caller_key
+    )
     return da if kind == Saved.PREACT else None

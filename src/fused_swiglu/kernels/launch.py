@@ -20,7 +20,7 @@ while a launch hook is installed (a profiler), every call goes through ``kernel[
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -83,6 +83,14 @@ def _key_and_launch_arg(arg: Any) -> tuple[Any, Any]:
     raise TypeError(f"no launch key for a {type(arg).__name__} argument")
 
 
+def _launch_arg(arg: Any) -> Any:
+    """The argument as the compiled kernel's launcher takes it (``_key_and_launch_arg``'s second half)."""
+    if type(arg) is Tma:
+        t = arg.tensor
+        return _HostTma(t, list(t.shape), list(t.stride()))
+    return arg
+
+
 def _current_device() -> int:
     return torch.cuda.current_device()  # where Triton launches too
 
@@ -105,20 +113,34 @@ class KernelLauncher:
         self._make_descriptor = make_descriptor
         # launch key -> (compiled kernel, the constexpr arguments after the runtime ones, in order)
         self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+        # (device, runtime switches, caller key, constexprs) -> the same entries
+        self._by_caller_key: dict[tuple, tuple[Any, tuple]] = {}
 
     def _through_triton(self, grid: tuple[int, ...], args: tuple, constexprs: dict):
         real = [self._make_descriptor(a.tensor, list(a.block)) if isinstance(a, Tma) else a for a in args]
         return self._kernel[grid](*real, **constexprs)
 
-    def __call__(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+    def __call__(
+        self, grid: tuple[int, ...], *args: Any, caller_key: Hashable = None, **constexprs: Any
+    ) -> None:
         """``kernel[grid](*args, **constexprs)``, with tensors the kernel reads through TMA given as
-        ``Tma(tensor, block)``. Runtime arguments are positional, constexprs and options by name."""
+        ``Tma(tensor, block)``. Runtime arguments are positional, constexprs and options by name.
+
+        ``caller_key``, where given, stands for what Triton specializes on in the runtime arguments
+        (the caller's input shapes, strides, dtypes and alignments, from which it makes the rest):
+        a later call with the same key and constexprs skips the key built argument by argument, the
+        larger part of this launch's host time. ``VERIFY`` checks it against that key."""
         if not DIRECT or _hooks_installed():
             self._through_triton(grid, args, constexprs)
             return
         device = _current_device()
-        keys, launch_args = zip(*map(_key_and_launch_arg, args), strict=True) if args else ((), ())
         runtime = triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode
+        fast_key = None if caller_key is None else (device, runtime, caller_key, tuple(constexprs.items()))
+        entry = None if fast_key is None or VERIFY else self._by_caller_key.get(fast_key)
+        if entry is not None:
+            self._run(entry, grid, device, [_launch_arg(a) for a in args])
+            return
+        keys, launch_args = zip(*map(_key_and_launch_arg, args), strict=True) if args else ((), ())
         key = (device, runtime, keys, tuple(constexprs.items()))
         entry = self._compiled.get(key)
         if entry is None or VERIFY:
@@ -128,13 +150,28 @@ class KernelLauncher:
                 missing = [n for n in names if n not in constexprs]
                 if missing:
                     raise TypeError(f"{self._kernel.__name__} launched without {missing}")
-                self._compiled[key] = (compiled, tuple(constexprs[n] for n in names))
+                entry = self._compiled[key] = (compiled, tuple(constexprs[n] for n in names))
             elif compiled is not entry[0]:
                 raise RuntimeError(
                     f"{self._kernel.__name__}: Triton compiled this call differently from an earlier one "
                     "with the same launch key; the key misses something Triton specializes on"
                 )
+            self._remember(fast_key, entry)
             return
+        self._remember(fast_key, entry)
+        self._run(entry, grid, device, launch_args)
+
+    def _remember(self, fast_key, entry) -> None:
+        if fast_key is None:
+            return
+        known = self._by_caller_key.setdefault(fast_key, entry)
+        if known is not entry:
+            raise RuntimeError(
+                f"{self._kernel.__name__}: two calls with the same caller key launched different "
+                "kernels; the caller key misses something Triton specializes on"
+            )
+
+    def _run(self, entry, grid: tuple[int, ...], device: int, launch_args) -> None:
         compiled, tail = entry
         for a in launch_args:
             if isinstance(a, _HostTma) and a.base.is_cuda:
