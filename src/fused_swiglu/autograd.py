@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .kernels.common import bind_cuda_context
 
 
 def _refuse_double_backward() -> None:
@@ -56,6 +57,8 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         eager = not torch.compiler.is_compiling()
         if eager and kept._version:  # refused before a is read (the op refuses it too, compiled)
             ops.refuse_second_walk()
+        if eager and dy.is_cuda:
+            bind_cuda_context(dy.device)  # autograd's device thread may have no CUDA context yet
         dw_down = None
         if need_dw_down and ctx.scalars[2] == "factors":
             # dW_down = dY^T @ a (a carries the down multiplier) first: a's last use, so a compiled

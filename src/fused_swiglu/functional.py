@@ -6,10 +6,12 @@ of this runs once while Dynamo traces it, and the graph keeps only the ops.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Literal
 
 import torch
+from torch.amp.autocast_mode import is_autocast_available
 
 from . import ops
 from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction
@@ -38,6 +40,8 @@ def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str
 def _check_multiplier(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 
 
@@ -56,6 +60,8 @@ def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     if len({t.dtype for t in named.values()}) > 1:
@@ -71,6 +77,10 @@ def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
             f"[hidden, intermediate]; got shapes {got}"
         )
     two_inter, hidden = gate_up_weight.shape
+    if hidden == 0:
+        raise ValueError(
+            f"the hidden size must be positive, got weights of shape {tuple(gate_up_weight.shape)}"
+        )
     if x.shape[-1] != hidden or two_inter % 2:
         raise ValueError(
             f"packed gate/up weight {tuple(gate_up_weight.shape)} needs an even first dim and x's last dim "
@@ -89,7 +99,10 @@ def _autocast(*tensors):
     except float64 goes to the autocast dtype (gradients flow back through the casts to the
     original dtype). Outside it, or for arguments that are not tensors (validation reports those),
     nothing changes."""
-    if not isinstance(tensors[0], torch.Tensor) or not torch.is_autocast_enabled(tensors[0].device.type):
+    if not isinstance(tensors[0], torch.Tensor):
+        return tensors
+    device = tensors[0].device.type
+    if not is_autocast_available(device) or not torch.is_autocast_enabled(device):  # e.g. meta: none
         return tensors
     dtype = torch.get_autocast_dtype(tensors[0].device.type)
 

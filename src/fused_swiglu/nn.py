@@ -10,6 +10,7 @@ the state-dict hooks.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -65,13 +66,31 @@ def _unpack_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 
 def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
-    gate_key, up_key = prefix + _GATE, prefix + _UP
-    if gate_key in state_dict and up_key in state_dict:
-        packed = pack_gate_up(_full(state_dict.pop(gate_key)), _full(state_dict.pop(up_key)))
-        state_dict[prefix + _PACKED] = _distributed_like(packed, module.gate_up_proj)
+    """Packs the Hugging Face ``gate_proj.weight`` and ``up_proj.weight`` into ``gate_up_proj``. A half
+    that is absent keeps the module's current values and is reported missing under its own name (an
+    error with ``strict``, as any missing key is); a half that is there is loaded."""
+    keys = prefix + _GATE, prefix + _UP
+    present = [key in state_dict for key in keys]
+    if prefix + _PACKED in state_dict:
+        return
+    missing.extend(key for key, there in zip(keys, present, strict=True) if not there)
+    if not any(present):
+        state_dict[prefix + _PACKED] = module.gate_up_proj.detach()  # nothing to load: left as it is
+        return
+    current = (None, None) if all(present) else unpack_gate_up(_full(module.gate_up_proj.detach()))
+    gate, up = (
+        _full(state_dict.pop(key)) if there else mine
+        for key, there, mine in zip(keys, present, current, strict=True)
+    )
+    state_dict[prefix + _PACKED] = _distributed_like(pack_gate_up(gate, up), module.gate_up_proj)
 
 
 def _add_packed_gate_up(module: nn.Module, hidden_size: int, intermediate_size: int, factory: dict) -> None:
+    for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(size).__name__}")
+        if size <= 0:
+            raise ValueError(f"{name} must be positive, got {size}")
     check_intermediate_size(intermediate_size)
     module.hidden_size = hidden_size
     module.intermediate_size = intermediate_size
