@@ -11,7 +11,6 @@ import numbers
 from typing import Literal
 
 import torch
-from torch.amp.autocast_mode import is_autocast_available
 
 from . import ops
 from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction
@@ -102,7 +101,7 @@ def _autocast(*tensors):
     if not isinstance(tensors[0], torch.Tensor):
         return tensors
     device = tensors[0].device.type
-    if not is_autocast_available(device) or not torch.is_autocast_enabled(device):  # e.g. meta: none
+    if tensors[0].is_meta or not torch.is_autocast_enabled(device):  # meta tensors have no autocast
         return tensors
     dtype = torch.get_autocast_dtype(tensors[0].device.type)
 

@@ -135,7 +135,7 @@ def run_variant(spec: RunSpec) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
     start = time.perf_counter()
     losses = [step()]
