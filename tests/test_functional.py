@@ -278,31 +278,6 @@ def test_create_graph_raises(device):
         torch.autograd.grad(y, x, p.dy, create_graph=True)
 
 
-def _bad_calls():
-    x, wp, wd = torch.randn(4, 16), torch.randn(32, 16), torch.randn(16, 16)
-    return [
-        pytest.param((x.half(), wp, wd), {}, TypeError, "dtype", id="dtype-mismatch"),
-        pytest.param((x.long(), wp.long(), wd.long()), {}, TypeError, "floating", id="integer-input"),
-        pytest.param((x, wp.to("meta"), wd), {}, ValueError, "device", id="device-mismatch"),
-        pytest.param((torch.randn(4, 8), wp, wd), {}, ValueError, "last dim", id="hidden-mismatch"),
-        pytest.param((x, torch.randn(24, 16), wd), {}, ValueError, "needs", id="packed-shape"),
-        pytest.param((x, wp, torch.randn(16, 12)), {}, ValueError, "needs", id="down-shape"),
-        pytest.param((x, wp.reshape(2, 16, 16), wd), {}, ValueError, "expected x", id="packed-not-2d"),
-        pytest.param((x, (wp,), wd), {}, ValueError, "pair", id="one-weight-tuple"),
-        pytest.param((x, wp, wd), {"save": "everything"}, ValueError, "save", id="bad-save-mode"),
-        pytest.param(
-            (x, wp, wd), {"gate_multiplier": "2"}, TypeError, "gate_multiplier", id="bad-multiplier"
-        ),
-        pytest.param((x, wp, wd.numpy()), {}, TypeError, "down_weight", id="not-a-tensor"),
-    ]
-
-
-@pytest.mark.parametrize("args, kwargs, error, match", _bad_calls())
-def test_bad_input_raises(args, kwargs, error, match):
-    with pytest.raises(error, match=match):
-        swiglu_mlp(*args, **kwargs)
-
-
 def test_import_and_call_leave_dynamo_unloaded():
     """Importing torch._dynamo costs about a second: an eager user of the library never pays it."""
     code = (

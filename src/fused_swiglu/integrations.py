@@ -13,14 +13,7 @@ from .functional import (
     swiglu_mlp,
 )
 from .layout import CHUNK, pack_gate_up
-from .nn import SwiGLUMLP
-
-# Activation modules that compute SiLU: torch's, and the name transformers has used for its own.
-_SILU_TYPES = ("SiLU", "SiLUActivation")
-
-
-def _is_silu(act) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ in _SILU_TYPES
+from .nn import SwiGLUMLP, is_silu
 
 
 def llama_mlp_pattern(module: nn.Module) -> bool:
@@ -39,7 +32,7 @@ def llama_mlp_pattern(module: nn.Module) -> bool:
         up.shape == gate.shape
         and down.shape == (hidden, inter)
         and inter % CHUNK == 0
-        and _is_silu(getattr(module, "act_fn", None))
+        and is_silu(getattr(module, "act_fn", None))
     )
 
 
@@ -86,6 +79,8 @@ def swap_swiglu_mlps(
     swapped unchecked. Modules that do not match the pattern (GELU gates, biases, Linear subclasses,
     odd sizes) are left as they are. ``save`` goes to every ``SwiGLUMLP``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"swap_swiglu_mlps takes an nn.Module, got {type(model).__name__}")
     check_save_mode(save)
     candidates = [(name, module) for name, module in model.named_modules() if llama_mlp_pattern(module)]
     if any(not name for name, _ in candidates):

@@ -37,6 +37,9 @@ def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     Differentiable: gradients flow back to ``gate`` and ``up``.
     """
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} weight must be a torch.Tensor, got {type(t).__name__}")
     if gate.dim() != 2 or gate.shape != up.shape:
         raise ValueError(
             f"gate and up weights must be 2-D of equal shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
@@ -54,6 +57,8 @@ def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def unpack_gate_up(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a packed ``[2I, H]`` weight into contiguous ``(gate, up)``, each ``[I, H]``."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed weight must be a torch.Tensor, got {type(packed).__name__}")
     if packed.dim() != 2:
         raise ValueError(f"packed weight must be 2-D, got shape {tuple(packed.shape)}")
     up, gate = split_packed_columns(packed.t())

@@ -104,6 +104,36 @@ def _reset_packed_gate_up(weight: nn.Parameter) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+# Activation modules that compute SiLU: torch's, and the name transformers has used for its own.
+_SILU_TYPES = ("SiLU", "SiLUActivation")
+
+
+def is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in _SILU_TYPES
+
+
+def _check_llama_mlp(mlp) -> None:
+    """Refuse, naming the problem, a module ``SwiGLUMLP.from_mlp`` would copy into another function."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    linears = [getattr(mlp, name, None) for name in names]
+    if not all(isinstance(m, nn.Linear) for m in linears):
+        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in zip(names, linears, strict=True))
+        raise TypeError(f"from_mlp needs nn.Linear gate_proj, up_proj and down_proj children; got {found}")
+    if any(m.bias is not None for m in linears):
+        raise ValueError("from_mlp: the fused MLP has no biases; this module's projections have one")
+    act = getattr(mlp, "act_fn", None)
+    if act is not None and not is_silu(act):
+        raise ValueError(
+            f"from_mlp: the fused MLP computes SiLU; this module's act_fn is {type(act).__name__}"
+        )
+    (gate, up, down) = (m.weight for m in linears)
+    if up.shape != gate.shape or down.shape != gate.shape[::-1]:
+        raise ValueError(
+            f"from_mlp: gate {tuple(gate.shape)}, up {tuple(up.shape)} and down {tuple(down.shape)} "
+            "weights must be [I, H], [I, H] and [H, I]"
+        )
+
+
 class SwiGLUMLP(nn.Module):
     """``down_multiplier * down_proj(silu(gate_multiplier * gate_proj(x)) * up_proj(x))``, fused.
 
@@ -150,6 +180,7 @@ class SwiGLUMLP(nn.Module):
         """Build from a module with ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` children
         (e.g. ``LlamaMLP``), copying its weights and whether each is trainable. ``kwargs`` go to the
         constructor."""
+        _check_llama_mlp(mlp)
         inter, hidden = mlp.gate_proj.weight.shape
         weight = mlp.gate_proj.weight
         # Built on the meta device and then given memory: no random initialisation that the copy

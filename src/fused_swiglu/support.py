@@ -39,6 +39,9 @@ def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     the Triton interpreter; rows 16-byte aligned (hidden and intermediate times the item size
     multiples of 16) and at least one token. Otherwise the PyTorch reference runs.
     """
+    for name, t in (("x", x), ("gate_up_weight", gate_up_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.numel() == 0:
         return False
     hidden, inter, itemsize = x.shape[-1], gate_up_weight.shape[0] // 2, x.dtype.itemsize

@@ -69,10 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"implementations (default: all of {', '.join(IMPL_NAMES)}; also {', '.join(EXTRA_IMPL_NAMES)})",
     )
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of every tensor")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per metric")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="interleaved repetitions per metric (with --model: fresh processes per variant)",
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     parser.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     parser.add_argument(
         "--glu",
         type=int,
