@@ -20,13 +20,13 @@ import time
 import torch
 
 from fused_swiglu import swiglu_mlp
-from fused_swiglu.passes import swiglu_mlp_no_grad
 from fused_swiglu.bench.impls import EagerSwiGLUMLP, peer_module
 from fused_swiglu.bench.measure import cuda_graph_replay
 from fused_swiglu.bench.report import provenance
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_forward import glu_forward
+from fused_swiglu.passes import swiglu_mlp_no_grad
 from fused_swiglu.testing import make_problem
 
 HIDDEN, INTER = 4096, 14336  # llama3-8b
