@@ -1,6 +1,8 @@
 """swap_swiglu_mlps: one call puts the fused module into a LLaMA-style model, and only where it
 computes the same function."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -70,19 +72,87 @@ def test_swaps_every_llama_mlp_and_keeps_the_function(device):
         assert relative_error(model(x), expected) < 1e-5
 
 
+class DropoutMLP(LlamaLikeMLP):
+    def __init__(self):
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.dropout(super().forward(x))
+
+
+def half_frozen():
+    mlp = LlamaLikeMLP()
+    mlp.up_proj.weight.requires_grad_(False)
+    return mlp
+
+
 @pytest.mark.parametrize(
-    "mlp",
+    "mlp, why",
     [
-        pytest.param(LlamaLikeMLP(act=nn.GELU()), id="gelu"),
-        pytest.param(LlamaLikeMLP(bias=True), id="bias"),
-        pytest.param(LlamaLikeMLP(inter=70), id="intermediate-not-multiple-of-8"),
-        pytest.param(LoraLikeMLP(), id="linear-subclass"),
+        pytest.param(LlamaLikeMLP(act=nn.GELU()), "act_fn is GELU", id="gelu"),
+        pytest.param(LlamaLikeMLP(bias=True), "has a bias", id="bias"),
+        pytest.param(LlamaLikeMLP(inter=70), "not a multiple of 8", id="intermediate-not-multiple-of-8"),
+        pytest.param(LoraLikeMLP(), "ScaledLinear, not a plain nn.Linear", id="linear-subclass"),
+        pytest.param(
+            DropoutMLP().eval(), r"submodules beyond the SwiGLU \(dropout\)", id="dropout-in-eval-mode"
+        ),
+        pytest.param(half_frozen(), "both be trainable or both frozen", id="half-frozen"),
     ],
 )
-def test_leaves_other_mlps_alone(mlp):
+def test_leaves_other_mlps_alone_and_says_why(mlp, why, caplog):
     model = TinyModel([mlp])
-    assert swap_swiglu_mlps(model) == []
+    with caplog.at_level("WARNING", logger="fused_swiglu"):
+        report = swap_swiglu_mlps(model)
+    assert report == [] and list(report.skipped) == ["layers.0.mlp"]
+    assert re.search(why, report.skipped["layers.0.mlp"])
     assert model.layers[0]["mlp"] is mlp
+    assert re.search(why, caplog.text) and "left 1 alone" in caplog.text
+
+
+def test_a_shared_mlp_stays_shared():
+    shared = LlamaLikeMLP()
+    model = TinyModel([shared, shared])
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        expected = model(x)
+    assert swap_swiglu_mlps(model) == ["layers.0.mlp", "layers.1.mlp"]
+    assert model.layers[0]["mlp"] is model.layers[1]["mlp"]
+    assert isinstance(model.layers[0]["mlp"], SwiGLUMLP)
+    with torch.no_grad():
+        assert relative_error(model(x), expected) < 1e-5
+
+
+def test_tied_weights_are_not_untied():
+    first, second = LlamaLikeMLP(), LlamaLikeMLP()
+    second.gate_proj.weight = first.gate_proj.weight
+    model = TinyModel([first, second])
+    report = swap_swiglu_mlps(model)
+    assert report == []
+    assert "tied to layers.1.mlp.gate_proj.weight" in report.skipped["layers.0.mlp"]
+    assert model.layers[1]["mlp"].gate_proj.weight is model.layers[0]["mlp"].gate_proj.weight
+
+
+def test_offloaded_weights_are_left_alone():
+    mlp = LlamaLikeMLP()
+    mlp._hf_hook = object()  # what accelerate's dispatch puts on a module it offloads
+    report = swap_swiglu_mlps(TinyModel([mlp]))
+    assert report == [] and "accelerate" in report.skipped["layers.0.mlp"]
+
+
+def test_on_mismatch_skip_swaps_the_rest():
+    model = TinyModel([LlamaLikeMLP(), GateOnUp()])
+    report = swap_swiglu_mlps(model, on_mismatch="skip")
+    assert report == ["layers.0.mlp"] and "differs from SwiGLU" in report.skipped["layers.1.mlp"]
+    assert isinstance(model.layers[1]["mlp"], GateOnUp)
+    with pytest.raises(ValueError, match="on_mismatch"):
+        swap_swiglu_mlps(model, on_mismatch="ignore")
+
+
+def test_a_model_without_swiglu_mlps_says_so(caplog):
+    with caplog.at_level("WARNING", logger="fused_swiglu"):
+        assert swap_swiglu_mlps(nn.Sequential(nn.Linear(4, 4))) == []
+    assert "no module with gate_proj, up_proj and down_proj" in caplog.text
 
 
 def test_refuses_a_module_whose_forward_is_not_swiglu_and_swaps_nothing():
@@ -92,13 +162,6 @@ def test_refuses_a_module_whose_forward_is_not_swiglu_and_swaps_nothing():
     assert isinstance(model.layers[0]["mlp"], LlamaLikeMLP)  # nothing half-done
     assert isinstance(model.layers[1]["mlp"], GateOnUp)
     assert swap_swiglu_mlps(model, check=False) == ["layers.0.mlp", "layers.1.mlp"]  # the caller's call
-
-
-def test_refuses_half_frozen_gate_and_up():
-    mlp = LlamaLikeMLP()
-    mlp.up_proj.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match="both"):
-        swap_swiglu_mlps(TinyModel([mlp]))
 
 
 def test_rejects_the_model_being_the_mlp_itself_and_bad_modes():
@@ -136,3 +199,104 @@ def test_swapping_leaves_the_global_random_stream_alone():
     torch.manual_seed(123)
     swap_swiglu_mlps(model)
     assert torch.equal(torch.rand(3), expected)
+
+
+class FalconLikeMLP(LlamaLikeMLP):
+    """Falcon-H1's MLP: multipliers on the gate pre-activation and on the output."""
+
+    gate_multiplier, down_multiplier = 0.7, 1.9
+
+    def forward(self, x):
+        return (
+            self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier))
+            * self.down_multiplier
+        )
+
+
+@pytest.mark.parametrize("path", ["materialised", "unchecked", "meta-then-loaded"])
+def test_falcon_multipliers_are_carried_on_every_load_path(path):
+    """The swapped module reads the MLP's multipliers whether the swap compares outputs, is told not
+    to, or sees weights on the meta device that are loaded afterwards."""
+    source = TinyModel([FalconLikeMLP()])
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        expected = source.layers[0]["mlp"](x)
+    if path == "meta-then-loaded":
+        model = TinyModel([FalconLikeMLP()]).to("meta")
+        swap_swiglu_mlps(model)
+        model.to_empty(device="cpu").load_state_dict(source.state_dict())
+    else:
+        model = source
+        swap_swiglu_mlps(model, check=path == "materialised")
+    mlp = model.layers[0]["mlp"]
+    assert (mlp.gate_multiplier, mlp.down_multiplier) == (0.7, 1.9)
+    with torch.no_grad():
+        assert relative_error(mlp(x), expected) < 1e-5
+
+
+def test_transformers_falcon_h1_mlp():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+
+    config = transformers.FalconH1Config(hidden_size=40, intermediate_size=72, mlp_multipliers=[0.6, 1.7])
+    model = TinyModel([FalconH1MLP(config)])
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        expected = model.layers[0]["mlp"](x)
+    swap_swiglu_mlps(model, check=False)
+    with torch.no_grad():
+        assert relative_error(model.layers[0]["mlp"](x), expected) < 1e-5
+
+
+def test_a_wrapped_down_projection_is_run_not_bypassed():
+    """An adapter put on the swapped module's down_proj (as PEFT does with target "down_proj" or
+    "all-linear") computes and trains what it adds."""
+    torch.manual_seed(0)
+    model = TinyModel([LlamaLikeMLP()])
+    swap_swiglu_mlps(model)
+    mlp = model.layers[0]["mlp"]
+    plain = mlp.down_proj
+    wrapped = ScaledLinear(plain.in_features, plain.out_features, bias=False)
+    wrapped.load_state_dict(plain.state_dict())
+    mlp.down_proj = wrapped
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        expected = 2 * swap_reference(mlp, x)
+        assert relative_error(mlp(x), expected) < 1e-5
+
+
+def swap_reference(mlp, x):
+    from fused_swiglu import swiglu_mlp
+
+    return swiglu_mlp(x, mlp.gate_up_proj, mlp.down_proj.weight)
+
+
+def test_peft_lora_on_a_swapped_model_trains_its_adapters():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = TinyModel([LlamaLikeMLP()])
+    x = torch.randn(3, 40)
+    swap_swiglu_mlps(base)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False)
+    )
+    down = model.base_model.model.layers[0]["mlp"].down_proj
+    model(x).sum().backward()
+    assert (
+        down.lora_A["default"].weight.grad is not None and down.lora_A["default"].weight.grad.abs().sum() > 0
+    )
+    with torch.no_grad(), model.disable_adapter():
+        without = model(x)
+    with torch.no_grad():
+        assert relative_error(model(x), without) > 1e-3  # the adapter changes the output
+
+
+def test_peft_first_then_swap_leaves_the_adapted_mlp_alone_and_says_so():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        TinyModel([LlamaLikeMLP()]), peft.LoraConfig(r=4, target_modules=["gate_proj"])
+    )
+    report = swap_swiglu_mlps(model)
+    assert report == []
+    [(name, why)] = report.skipped.items()
+    assert name.endswith("layers.0.mlp") and "peft" in why and "not a plain nn.Linear" in why

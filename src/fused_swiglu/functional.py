@@ -24,9 +24,7 @@ SaveMode = Literal["factors", "preact", "recompute"]
 MLP_SAVE_MODES = ("factors", "preact", "recompute")
 # The GLU operator's backward receives dA from outside; pre-activations would only add a sigmoid.
 LINEAR_SAVE_MODES = ("factors", "recompute")
-# Over five full benchmark runs on the H200 the faster of the two at qwen2.5-0.5b (3-6%), slower at
-# llama2-7b (1-2%), within 1.7% either way elsewhere, with the same peak as "preact" (README,
-# docs/benchmarks/NOTES.md); "preact" keeps a third less between the passes.
+# The faster training step at most shapes, with preact's peak (docs/design/kernel-choice.md).
 DEFAULT_SAVE: SaveMode = "factors"
 
 

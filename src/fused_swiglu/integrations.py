@@ -1,7 +1,12 @@
-"""One call to put ``SwiGLUMLP`` into an existing model (Hugging Face LLaMA, Mistral, Qwen2 and the
-like): every module with the LlamaMLP pattern is swapped for the fused module, weights copied."""
+"""One call to put ``SwiGLUMLP`` into an existing model (Hugging Face LLaMA, Mistral, Qwen2, Falcon-H1
+and the like): every module with the LlamaMLP pattern is swapped for the fused module, weights
+copied; every module that looks like one but is left alone is reported with the reason."""
 
 from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Literal
 
 import torch
 from torch import nn
@@ -13,54 +18,107 @@ from .functional import (
     swiglu_mlp,
 )
 from .layout import CHUNK, pack_gate_up
-from .nn import SwiGLUMLP, is_silu
+from .nn import SwiGLUMLP, is_silu, multiplier_of
+
+_LOG = logging.getLogger("fused_swiglu")
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EXPECTED_CHILDREN = {*_PROJECTIONS, "act_fn"}
+
+
+class SwapReport(list):
+    """The names of the swapped modules (a list, in model order; a module shared by several places
+    is listed under each), and ``skipped``: ``{name: why}`` for the modules that have gate, up and
+    down projections but were left alone."""
+
+    def __init__(self, swapped: list[str], skipped: dict[str, str]) -> None:
+        super().__init__(swapped)
+        self.skipped = skipped
 
 
 def llama_mlp_pattern(module: nn.Module) -> bool:
-    """Whether ``module`` looks like transformers' ``LlamaMLP``: bias-free ``gate_proj``/``up_proj``
-    [I, H] and ``down_proj`` [H, I] ``nn.Linear`` (not subclasses), an ``act_fn`` that is SiLU, and I
-    a multiple of 8."""
-    linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    # Exactly nn.Linear: subclasses (quantized layers, adapter wrappers) hold weights that are not a
-    # plain floating-point matrix, or compute more than x @ W^T.
-    plain = all(type(m) is nn.Linear and m.bias is None and m.weight.is_floating_point() for m in linears)
-    if isinstance(module, SwiGLUMLP) or not plain:
-        return False
-    gate, up, down = (m.weight for m in linears)
-    inter, hidden = gate.shape
-    return (
-        up.shape == gate.shape
-        and down.shape == (hidden, inter)
-        and inter % CHUNK == 0
-        and is_silu(getattr(module, "act_fn", None))
+    """Whether ``module`` looks like transformers' ``LlamaMLP`` and can be fused as it is: bias-free
+    ``gate_proj``/``up_proj`` [I, H] and ``down_proj`` [H, I] ``nn.Linear`` (not subclasses), an
+    ``act_fn`` that is SiLU, no other submodule, and I a multiple of 8."""
+    return _mismatch(module) is None
+
+
+def _has_projections(module: nn.Module) -> bool:
+    return not isinstance(module, SwiGLUMLP) and all(
+        isinstance(getattr(module, name, None), nn.Module) for name in _PROJECTIONS
     )
 
 
-def _check_swappable(name: str, module: nn.Module, check: bool) -> None:
-    """Everything that could refuse a swap, checked before any module is replaced, so that a refusal
-    leaves the model as it was. A module can match the pattern and still compute something else in
-    its forward (an extra term, a dropout): with ``check``, compare it with the fused function on a
-    few random rows (one module at a time, so the extra memory is one packed weight)."""
-    if module.gate_proj.weight.requires_grad != module.up_proj.weight.requires_grad:
-        raise ValueError(f"fused_swiglu: {name}: gate_proj and up_proj must both be trainable or both frozen")
+def _mismatch(module: nn.Module) -> str | None:
+    """Why ``module`` (which has gate, up and down projections) cannot be fused as it is, or None."""
+    if not _has_projections(module):
+        return "no gate_proj, up_proj and down_proj Linears"
+    linears = [getattr(module, name) for name in _PROJECTIONS]
+    for name, m in zip(_PROJECTIONS, linears, strict=True):
+        # Exactly nn.Linear: subclasses (quantized layers, adapter wrappers) hold weights that are not
+        # a plain floating-point matrix, or compute more than x @ W^T.
+        if type(m) is not nn.Linear:
+            kind = f"{type(m).__module__}.{type(m).__qualname__}"
+            return f"{name} is a {kind}, not a plain nn.Linear (adapters and quantized layers are not fused)"
+        if m.bias is not None:
+            return f"{name} has a bias"
+        if not m.weight.is_floating_point():
+            return f"{name} holds {m.weight.dtype} weights"
+    act = getattr(module, "act_fn", None)
+    if not is_silu(act):
+        return f"act_fn is {type(act).__name__}, not SiLU"
+    extra = [name for name, _ in module.named_children() if name not in _EXPECTED_CHILDREN]
+    if extra:
+        # A dropout (or any other submodule) would be lost, also when the model is in eval mode now.
+        return f"it has submodules beyond the SwiGLU ({', '.join(extra)}) that the fused module would drop"
+    gate, up, down = (m.weight for m in linears)
+    inter, hidden = gate.shape
+    if up.shape != gate.shape or down.shape != (hidden, inter):
+        return (
+            f"gate {tuple(gate.shape)}, up {tuple(up.shape)} and down {tuple(down.shape)} do not fit together"
+        )
+    if inter % CHUNK:
+        return f"intermediate size {inter} is not a multiple of {CHUNK}"
+    if gate.requires_grad != up.requires_grad:
+        return "gate_proj and up_proj must both be trainable or both frozen to be packed"
+    if any(hasattr(m, "_hf_hook") for m in (module, *linears)):
+        return "its weights are managed by accelerate hooks (offloading); swap before dispatching the model"
+    return None
+
+
+def _forward_differs(module: nn.Module) -> str | None:
+    """Compare the module with the fused function on a few random rows (one module at a time, so the
+    extra memory is one packed weight): a module can match the pattern and still compute something
+    else in its forward. None where they agree or where there is nothing to compare (meta weights)."""
     weight = module.down_proj.weight
-    if not check or weight.device.type == "meta":  # meta weights hold no values to compare
-        return
+    if weight.device.type == "meta":  # weights not materialised yet: checked by nothing, swapped as built
+        return None
     # A private generator: swapping must not move the caller's random stream.
     generator = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(4, weight.shape[0], device=weight.device, dtype=weight.dtype, generator=generator)
     with torch.no_grad():
         expected = module(x).float()
         packed = pack_gate_up(module.gate_proj.weight, module.up_proj.weight)
-        got = swiglu_mlp(x, packed, weight).float()
+        multipliers = {name: multiplier_of(module, name) for name in ("gate_multiplier", "down_multiplier")}
+        got = swiglu_mlp(x, packed, weight, **multipliers).float()
     error = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
     # Loose enough for TF32 and 16-bit rounding on either side; a different function is off by O(1).
     tolerance = {torch.float64: 1e-6, torch.float32: 5e-3}.get(weight.dtype, 3e-2)
-    if not error <= tolerance:
-        raise ValueError(
-            f"fused_swiglu: {name} ({type(module).__name__}) matches the LlamaMLP pattern but its forward "
-            f"differs from SwiGLU (relative difference {error:.2e}); nothing was swapped"
-        )
+    if error <= tolerance:
+        return None
+    return f"its forward differs from SwiGLU (relative difference {error:.2e})"
+
+
+def _tied_outside(model: nn.Module, names: list[str], module: nn.Module) -> str | None:
+    """Why packing would untie a weight the module shares with a parameter elsewhere, or None."""
+    owners = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners[id(param)].append(name)
+    prefixes = tuple(f"{n}." for n in names)
+    for projection in _PROJECTIONS:
+        others = [n for n in owners[id(getattr(module, projection).weight)] if not n.startswith(prefixes)]
+        if others:
+            return f"{projection}.weight is tied to {others[0]}, and packing would untie it"
+    return None
 
 
 def swap_swiglu_mlps(
@@ -68,30 +126,72 @@ def swap_swiglu_mlps(
     *,
     save: SaveMode = DEFAULT_SAVE,
     check: bool = True,
-) -> list[str]:
+    on_mismatch: Literal["raise", "skip"] = "raise",
+) -> SwapReport:
     """Replace, in place, every submodule of ``model`` with the LlamaMLP pattern by a ``SwiGLUMLP``
-    holding the same weights (same device and dtype, frozen where they were), and return their names.
+    holding the same weights (same device and dtype, frozen where they were, Falcon-H1 multipliers
+    carried), and return their names as a ``SwapReport`` (a list, with ``.skipped``).
 
     Swap before building the optimizer (the parameters are new objects) and before wrapping the model
-    in FSDP/DDP. With ``check`` (default), every candidate is first compared with the fused function
-    on a few random rows; if any forward is not plain SwiGLU, ``ValueError`` is raised and nothing is
-    swapped. Modules on the meta device (weights not materialised yet) cannot be compared and are
-    swapped unchecked. Modules that do not match the pattern (GELU gates, biases, Linear subclasses,
-    odd sizes) are left as they are. ``save`` goes to every ``SwiGLUMLP``.
+    in FSDP/DDP or dispatching it with accelerate. A module shared by several places is replaced by
+    one fused module in all of them. Modules that have gate, up and down projections but cannot be
+    fused as they are (adapters such as PEFT's LoRA layers, biases, other activations, extra
+    submodules such as a dropout, weights tied elsewhere, offloaded weights, odd sizes) are left
+    alone and reported in ``.skipped`` with the reason, and in a warning of the ``fused_swiglu``
+    logger. With ``check`` (default), every candidate is first compared with the fused function on a
+    few random rows; a module whose forward differs raises ``ValueError`` and nothing is swapped, or
+    with ``on_mismatch="skip"`` is left alone and reported. Modules on the meta device (weights not
+    materialised yet) cannot be compared and are swapped as built. ``save`` goes to every ``SwiGLUMLP``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"swap_swiglu_mlps takes an nn.Module, got {type(model).__name__}")
     check_save_mode(save)
-    candidates = [(name, module) for name, module in model.named_modules() if llama_mlp_pattern(module)]
-    if any(not name for name, _ in candidates):
+    if on_mismatch not in ("raise", "skip"):
+        raise ValueError(f"on_mismatch must be 'raise' or 'skip', got {on_mismatch!r}")
+    places: dict[int, list[str]] = defaultdict(list)
+    modules: dict[int, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if _has_projections(module):
+            places[id(module)].append(name)
+            modules[id(module)] = module
+    if any(not name for names in places.values() for name in names):
         raise ValueError("fused_swiglu: the model itself is an MLP; use SwiGLUMLP.from_mlp(model)")
-    for name, module in candidates:
-        _check_swappable(name, module, check)
-    for name, module in candidates:
-        parent_name, _, child = name.rpartition(".")
-        setattr(
-            model.get_submodule(parent_name),
-            child,
-            SwiGLUMLP.from_mlp(module, save=save),
-        )
-    return [name for name, _ in candidates]
+    skipped: dict[str, str] = {}
+    chosen = []
+    for key, module in modules.items():
+        names = places[key]
+        why = _mismatch(module) or _tied_outside(model, names, module)
+        if why is None and check:
+            why = _forward_differs(module)
+            if why is not None and on_mismatch == "raise":
+                raise ValueError(
+                    f"fused_swiglu: {names[0]} ({type(module).__name__}) matches the LlamaMLP pattern but "
+                    f"{why}; nothing was swapped (on_mismatch='skip' leaves it alone and swaps the rest)"
+                )
+        if why is None:
+            chosen.append(key)
+        else:
+            skipped.update(dict.fromkeys(names, why))
+    for key in chosen:
+        fused = SwiGLUMLP.from_mlp(modules[key], save=save)
+        for name in places[key]:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, fused)
+    swapped = [
+        name
+        for name, _ in model.named_modules(remove_duplicate=False)
+        if name in {n for key in chosen for n in places[key]}
+    ]
+    _log(swapped, skipped, save)
+    return SwapReport(swapped, skipped)
+
+
+def _log(swapped: list[str], skipped: dict[str, str], save: str) -> None:
+    line = f"fused_swiglu: swapped {len(swapped)} SwiGLU MLP(s) (save={save!r})"
+    if skipped:
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+        _LOG.warning(f"{line}; left {len(skipped)} alone: {reasons}")
+    elif not swapped:
+        _LOG.warning(f"{line}: no module with gate_proj, up_proj and down_proj Linears was found")
+    else:
+        _LOG.info(line)

@@ -2,9 +2,9 @@
 defined and implemented here through ``torch.library.Library``, with fake implementations for tracing.
 
 Why not the ``torch.library.custom_op`` decorator: on every call its wrapper checks each output for
-aliasing and routes even an op with no backward through a Python autograd layer. For an op whose body
-does nothing that cost 11.6 us a call on the development machine, against 2.3 us defined here (NOTES.md
-item 49), and a compiled graph calls these ops on every step. What the decorator checks at run time
+aliasing and routes even an op with no backward through a Python autograd layer, several times the
+cost of an op defined here (docs/design/one-path.md), and a compiled graph calls these ops on every
+step. What the decorator checks at run time
 (outputs are new tensors, inputs are not changed), ``torch.library.opcheck`` checks in the tests.
 """
 

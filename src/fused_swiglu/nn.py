@@ -112,6 +112,16 @@ def is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in _SILU_TYPES
 
 
+def multiplier_of(mlp: nn.Module, name: str) -> float:
+    """The module's ``gate_multiplier`` or ``down_multiplier`` (Falcon-H1 sets them), else 1.0."""
+    value = getattr(mlp, name, 1.0)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"from_mlp: {type(mlp).__name__}.{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
 def _check_llama_mlp(mlp) -> None:
     """Refuse, naming the problem, a module ``SwiGLUMLP.from_mlp`` would copy into another function."""
     names = ("gate_proj", "up_proj", "down_proj")
@@ -178,9 +188,12 @@ class SwiGLUMLP(nn.Module):
     @classmethod
     def from_mlp(cls, mlp: nn.Module, **kwargs) -> SwiGLUMLP:
         """Build from a module with ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` children
-        (e.g. ``LlamaMLP``), copying its weights and whether each is trainable. ``kwargs`` go to the
-        constructor."""
+        (e.g. ``LlamaMLP``), copying its weights, whether each is trainable, and its
+        ``gate_multiplier``/``down_multiplier`` attributes where it has them (Falcon-H1). ``kwargs`` go
+        to the constructor and take precedence."""
         _check_llama_mlp(mlp)
+        for name in ("gate_multiplier", "down_multiplier"):
+            kwargs.setdefault(name, multiplier_of(mlp, name))
         inter, hidden = mlp.gate_proj.weight.shape
         weight = mlp.gate_proj.weight
         # Built on the meta device and then given memory: no random initialisation that the copy
@@ -196,6 +209,13 @@ class SwiGLUMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.down_proj) is not nn.Linear:
+            # Wrapped after the swap (e.g. a PEFT LoRA layer): run it as a module, so that what it
+            # adds to the projection is computed and trained, not bypassed by reading its weight.
+            save = "recompute" if self.save == "recompute" else "factors"
+            a = swiglu_linear(x, self.gate_up_proj, gate_multiplier=self.gate_multiplier, save=save)
+            y = self.down_proj(a)
+            return y if self.down_multiplier == 1.0 else y * self.down_multiplier
         return swiglu_mlp(
             x,
             self.gate_up_proj,

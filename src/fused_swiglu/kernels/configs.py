@@ -1,11 +1,9 @@
 """Tile configurations of the fused kernels, chosen per problem without run-time autotuning.
 
 Why no autotuning at call time: the backward kernel writes in place (a re-run would corrupt its
-input), and autotuning every new batch size costs tens of seconds on the first call. Instead the
-choice is a pure function of the problem, measured on the target GPU (docs/benchmarks/NOTES.md) and
-written down here; a new shape compiles at most one kernel per family. Today it depends on the M
-bucket, the dtype and what is saved; hidden and intermediate are part of the key so that per-shape
-entries can be added as tuning goes on.
+input), and autotuning every new batch size costs tens of seconds on the first call. The choice is a
+pure function of the problem, so a new shape compiles at most one kernel per family. Where each rule
+and tile was measured: docs/design/kernel-choice.md.
 """
 
 from __future__ import annotations
@@ -65,12 +63,8 @@ class TileConfig:
         }
 
 
-#: Inference with at most this many rows runs cuBLAS's x @ W_packed^T plus a small activation pass
-#: instead of the fused kernel. Measured on the H200 against the GEMM alone (raw/sweep-decode-rows.log,
-#: llama3-8b and qwen2.5-7b, M = 1..64): the cuBLAS path took 1.03-1.17x up to 24 rows, where the
-#: fused kernel took 1.13-1.37x. Above that it is mixed: at 32 rows each won at one shape; at 48 and
-#: 64 rows the fused kernel won at llama3-8b (1.02-1.04x against 1.07-1.09x) and lost at qwen2.5-7b
-#: (1.10-1.11x against 1.06x).
+#: Inference with at most this many rows runs cuBLAS's x @ W_packed^T plus a small activation pass:
+#: cuBLAS streams a weight faster than the fused kernel's tiles at decode sizes (kernel-choice.md).
 CUBLAS_DECODE_ROWS = 24
 
 
@@ -81,10 +75,8 @@ def inference_uses_cublas(m: int) -> bool:
 def gemms_on_cublas(dtype: torch.dtype, on_gpu: bool) -> bool:
     """Whether the GLU GEMMs run on cuBLAS with the SwiGLU in separate passes (kernels/glu_split.py).
 
-    fp32 does. Measured on the H200 at M=4096, hidden 4096, intermediate 11008, the fused fp32 step
-    took 2.25x eager PyTorch's time with TF32 allowed (26.9 against 11.9 ms) and 4.8x without (318
-    against 66 ms): Triton's fp32 tiles run far below cuBLAS's. Under the interpreter the fused
-    kernels run in every dtype, so that they are tested on CPU.
+    fp32 does: Triton's fp32 tiles run far below cuBLAS's (docs/design/kernel-choice.md). Under the
+    interpreter the fused kernels run in every dtype, so that they are tested on CPU.
     """
     return on_gpu and dtype == torch.float32
 
@@ -100,11 +92,9 @@ def forward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save: 
     """Whether the training forward runs the warp-specialized Gluon kernel (kernels/glu_forward_ws.py)
     instead of the Triton one.
 
-    On the H200 in bf16 (NOTES.md item 32, raw/ws-kernels-b37f862.log) the kernel alone was 0.7-11%
-    faster than the Triton kernel at all five benchmark shapes when it saves factors or
-    pre-activations, and 0.3-3.2% slower at all five in inference (nothing saved), which keeps the
-    Triton kernel. The one caller that needs no ``a`` (the GLU operator's recompute backward) keeps
-    the Triton kernel too, which can skip it.
+    Faster when it saves something, slower in inference, which keeps the Triton kernel
+    (docs/design/kernel-choice.md). The one caller that needs no ``a`` (the GLU operator's recompute
+    backward) keeps the Triton kernel too, which can skip it.
     """
     return save != Saved.NOTHING and write_a and _warp_specialized_runs(m, dtype, on_gpu)
 
@@ -113,10 +103,7 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind:
     """Whether backward stage 1 runs the warp-specialized Gluon kernel (kernels/glu_backward_ws.py)
     instead of the Triton one.
 
-    On the H200 in bf16, with saved factors (NOTES.md item 30) the training step with it was level
-    with the Triton kernel's at llama3-8b and 0.4-4.7% faster at the four other benchmark shapes; the
-    kernel alone was 1-13% faster at four shapes. With saved pre-activations (item 32) the kernel
-    alone was 4-25% faster at all five shapes, and the step with it 1.1-2.3% faster.
+    Faster for both kinds of saved tensor at the benchmark shapes (docs/design/kernel-choice.md).
     """
     return _warp_specialized_runs(m, dtype, on_gpu) and kind in (Saved.FACTORS, Saved.PREACT)
 
@@ -138,11 +125,10 @@ def forward_config(
 ) -> TileConfig:
     """Tile of the gate/up GEMM + SwiGLU kernel for x [m, hidden] and a packed [2 * inter, hidden] weight.
 
-    Measured on an H200 (docs/benchmarks/NOTES.md): the [128, 256] tile with 3 stages and a flattened
-    persistent loop ran at 0.99-1.01x (inference) and 1.04-1.07x (training) the cuBLAS GEMM at
-    llama3-8b and qwen2.5-7b, and 1.06-1.29x at qwen2.5-0.5b. Inference stores only
-    ``a``, whose whole staging tile fits beside the three pipeline stages; training also stores the
-    [128, 256] saved tile, so its epilogue goes out in two halves to stay inside shared memory.
+    A [128, 256] packed tile with 3 stages and a flattened persistent loop (measured in
+    docs/design/kernel-choice.md). Inference stores only ``a``, whose whole staging tile fits beside
+    the three pipeline stages; training also stores the [128, 256] saved tile, so its epilogue goes
+    out in two halves to stay inside shared memory.
     """
     if not on_gpu:
         return INTERPRETER_CONFIG
@@ -151,8 +137,7 @@ def forward_config(
     # [128, 256] tile spills with it (benchmarks/kernel_resources.py), a [128, 128] one does not.
     three_pass = precision == "tf32x3"
     if m <= 64:
-        # Decode-sized batches stream the weight: a long BK (fewer, larger TMA copies) was the fastest
-        # of six candidates at M = 1, 16, 64 (raw/sweep-prefetch-decode.log).
+        # Decode-sized batches stream the weight: a long BK (fewer, larger TMA copies) measured fastest.
         decode_k = block_k if three_pass else 2 * block_k
         return TileConfig(block_m=64, block_n=64, block_k=decode_k, num_warps=4, num_stages=4)
     if three_pass:
@@ -173,12 +158,10 @@ def backward_config(
 ) -> TileConfig:
     """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``).
 
-    A [128, 256] accumulator, as wide as the forward's: it ran the kernel 1.07-1.13x the cuBLAS GEMM
-    at llama3-8b and llama2-7b against 1.32-1.37x for [128, 128] (raw/sweep-wide.log). Its epilogue
+    A [128, 256] accumulator, as wide as the forward's (much faster than [128, 128]); its epilogue
     walks the [128, 512] saved tile in four pieces, so three pipeline stages still fit. The flattened
     persistent loop helps with saved pre-activations and at a short reduction (hidden <= 1024), and
-    costs 2-5% with factors over a long one. Two programs per SM, a prefetch of the saved tile and
-    Triton's warp specialization were measured and were no faster (docs/benchmarks/NOTES.md).
+    costs with factors over a long one (docs/design/kernel-choice.md).
     """
     if not on_gpu:
         return INTERPRETER_CONFIG

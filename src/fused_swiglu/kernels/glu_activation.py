@@ -3,7 +3,7 @@
 The pass that finishes a cuBLAS x @ W_packed^T where the fused kernel is not used:
 
 * decode-sized inference (a few rows streams the whole packed weight for very little arithmetic,
-  and cuBLAS reads it faster than the fused kernel's tiles, docs/benchmarks/NOTES.md): ``a`` only;
+  and cuBLAS reads it faster than the fused kernel's tiles, docs/design/kernel-choice.md): ``a`` only;
 * fp32 (``kernels/glu_split.py``): for training it also turns the pre-activation into the saved
   factors [silu(g) | gate_scale * u * silu'(g)] in place, as the fused kernel's epilogue would.
 """

@@ -11,7 +11,7 @@ it from there by TMA (through the saved tensor's descriptor in place, else the g
 
 In the Triton kernel the warps that multiply also issue every load and wait for each saved piece at
 the start of the epilogue; here they issue none. On the H200 that measured faster than the Triton
-kernel at every benchmark shape (docs/benchmarks/NOTES.md, items 30 and 32).
+kernel at every benchmark shape (docs/design/kernel-choice.md).
 
 Two launch shapes. Cooperative: both consumer warpgroups work on one [128, 256] tile, so the tensor
 cores idle while they run its epilogue. Ping-pong (saved factors): each consumer warpgroup owns whole
@@ -49,12 +49,8 @@ class WSConfig(ws.WSLaunch):
         return rings | ({"a_buffers": self.a_buffers} if self.a_buffers else {})
 
 
-#: Per kind of saved tensor, chosen on the H200. Factors: from seven drafts at four shapes
-#: (raw/ws-backward-draft-2.log), the fastest or within about 2% of the fastest at each, and faster
-#: than the Triton kernel at all four; the library kernel's sweep agreed (raw/sweep-ws-backward-d03770a.log,
-#: benchmarks/sweep_ws_backward.py). Pre-activations: of three drafts at four shapes
-#: (raw/ws-drafts-cac0799.log), the fastest at three and 0.7% behind a store lag of 2 at llama3-8b;
-#: half the saved buffers are handed to ``a``.
+#: Per kind of saved tensor, chosen among drafts on the H200 (docs/design/kernel-choice.md); with
+#: saved pre-activations half the saved buffers are handed to ``a``.
 CONFIGS = {Saved.FACTORS: WSConfig(), Saved.PREACT: WSConfig(saved_buffers=4, a_buffers=4)}
 
 
@@ -71,15 +67,8 @@ class PingPongConfig(WSConfig, ws.PingPongLaunch):
     saved_buffers: int = 4
 
 
-#: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch. On the H200
-#: (NOTES.md item 33; raw/pp-drafts-41a62f0.log, raw/pp-sweep-e85f6df.log, raw/pp-ab-e85f6df.log) the
-#: kernel alone was faster than the cooperative launch at every shape measured with hidden 896 to
-#: 3584: by 0.5-16% in three runs at the benchmark shapes, 2-6% at three more; the step by 0.1-1.8%
-#: (one run). At hidden 4096 single-step timings disagreed between runs (raw/ab-pp4096-c69e360.log),
-#: because the step runs at the power cap and a faster kernel slows the others (item 37); back to back
-#: for seconds, the ping-pong step was faster in both save modes that use it, factors and recompute,
-#: at llama3-8b and llama2-7b, by 0.2-0.8% (item 41, raw/power-pp4096-b1fa02e.log). Larger hidden
-#: sizes are unmeasured and keep the cooperative launch.
+#: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch: faster there,
+#: and larger hidden sizes are unmeasured (docs/design/kernel-choice.md).
 PING_PONG_MAX_HIDDEN = 4096
 PING_PONG = PingPongConfig()
 

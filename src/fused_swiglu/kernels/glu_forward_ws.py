@@ -8,7 +8,7 @@ epilogue piece (``a`` and the saved piece) into one of ``buffers`` staging buffe
 the storer sends the pair out by TMA and hands it back once its stores have read it, ``store_lag``
 pieces later. In the Triton kernel the warps that multiply also wait for each store and issue every
 load; here they wait only for a free buffer pair. On the H200 that measured faster than the Triton
-kernel at every benchmark shape (docs/benchmarks/NOTES.md, item 32).
+kernel at every benchmark shape (docs/design/kernel-choice.md).
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ class WSForwardConfig(ws.WSLaunch):
         return {"buffers": self.buffers}
 
 
-#: Chosen on the H200 from five drafts at four shapes (raw/ws-drafts-cac0799.log): the fastest at two
-#: and within 0.6% of the fastest at the other two, and faster than the Triton kernel at all four.
+#: Chosen among five drafts on the H200 (docs/design/kernel-choice.md).
 CONFIG = WSForwardConfig()
 
 if AVAILABLE:

@@ -6,7 +6,7 @@ Used where dA is in memory rather than in the fused backward kernel's registers:
 * the GLU operator alone: dA arrives from the caller's down projection, and the only work between
   the two backward GEMMs is this product of the saved factors with dA (the same dA multiplies both
   halves of a packed chunk). A broadcast ``mul_`` in PyTorch does the same in place but reaches
-  about half the copy bandwidth on the packed chunk layout (docs/benchmarks/NOTES.md);
+  about half the copy bandwidth on the packed chunk layout;
 * fp32 (``kernels/glu_split.py``): dA = dY @ W_down comes from cuBLAS, saved factors or saved
   pre-activations; with the latter the pass also recomputes ``a`` for dW_down, over dA's memory.
 

@@ -1,9 +1,8 @@
 """Launch a compiled kernel again without Triton's per-call argument binding.
 
 ``kernel[grid](...)`` binds and specializes every argument, builds the kernel cache key from them and
-validates every host TMA descriptor, on every call. On the H200 machine that was 70 us of the 116 us
-it took to issue the training forward, and skipping it took 43-262 us off the host time of a
-training step in two runs and up to 52 us off a no_grad call at decode sizes (NOTES.md item 43).
+validates every host TMA descriptor, on every call: most of the host time of issuing a fused call
+(docs/design/one-path.md, "Host time per call").
 
 A ``KernelLauncher`` lets Triton do that once per *launch key*: everything Triton specializes on, read
 from the arguments directly (tensor dtypes and 16-byte alignment, integers equal to 1 or divisible by
