@@ -498,3 +498,17 @@ def test_compiled_step_under_autocast_matches_the_eager_fused_step(device, save,
         assert g.dtype == torch.float32, name
         assert torch.isfinite(g).all(), name
         assert relative_error(g, e) < 1e-3, name
+
+
+def test_an_input_changed_in_place_is_reported_as_such(device):
+    """PyTorch's own error for an input changed in place before the backward, not the library's
+    second-walk message."""
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x = p.x.clone().requires_grad_()
+    w = p.w_gate_up.clone()
+    y = swiglu_mlp(x * 1.0, w.requires_grad_(), p.w_down)
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        y.backward(p.dy)
+    assert "already walked" not in str(raised.value)

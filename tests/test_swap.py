@@ -90,7 +90,7 @@ def half_frozen():
 @pytest.mark.parametrize(
     "mlp, why",
     [
-        pytest.param(LlamaLikeMLP(act=nn.GELU()), "act_fn is GELU", id="gelu"),
+        pytest.param(LlamaLikeMLP(act=nn.GELU()), "activation is GELU", id="gelu"),
         pytest.param(LlamaLikeMLP(bias=True), "has a bias", id="bias"),
         pytest.param(LlamaLikeMLP(inter=70), "not a multiple of 8", id="intermediate-not-multiple-of-8"),
         pytest.param(LoraLikeMLP(), "ScaledLinear, not a plain nn.Linear", id="linear-subclass"),
@@ -152,7 +152,7 @@ def test_on_mismatch_skip_swaps_the_rest():
 def test_a_model_without_swiglu_mlps_says_so(caplog):
     with caplog.at_level("WARNING", logger="fused_swiglu"):
         assert swap_swiglu_mlps(nn.Sequential(nn.Linear(4, 4))) == []
-    assert "no module with gate_proj, up_proj and down_proj" in caplog.text
+    assert "no module with gate, up and down projection Linears" in caplog.text
 
 
 def test_refuses_a_module_whose_forward_is_not_swiglu_and_swaps_nothing():
@@ -300,3 +300,38 @@ def test_peft_first_then_swap_leaves_the_adapted_mlp_alone_and_says_so():
     assert report == []
     [(name, why)] = report.skipped.items()
     assert name.endswith("layers.0.mlp") and "peft" in why and "not a plain nn.Linear" in why
+
+
+@pytest.mark.parametrize("family", ["Phi3", "Glm4"])
+def test_stacked_gate_up_models_swap_and_keep_their_checkpoints(family, tmp_path):
+    """Phi-3 and GLM-4 keep gate and up stacked in one gate_up_proj Linear: the swap fuses them, the
+    logits stay, and the state dict keeps the model's own keys and layout, so it loads into the stock
+    model."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=97,
+        pad_token_id=0,
+    )
+    model_class = getattr(transformers, f"{family}ForCausalLM")
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    ids = torch.randint(1, 97, (2, 11))
+    with torch.no_grad():
+        expected = model(ids).logits
+    stock_state = model.state_dict()
+    assert swap_swiglu_mlps(model) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert model.model.layers[0].mlp.checkpoint_keys == "stacked"
+    with torch.no_grad():
+        assert relative_error(model(ids).logits, expected) < 1e-5
+    state = model.state_dict()
+    assert state.keys() == stock_state.keys()
+    assert all(torch.equal(state[k], stock_state[k]) for k in state)
+    stock = model_class(config).eval()
+    stock.load_state_dict(state)
+    with torch.no_grad():
+        assert relative_error(stock(ids).logits, expected) < 1e-6

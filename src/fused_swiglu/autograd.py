@@ -30,11 +30,14 @@ def _saved_tensors(ctx) -> tuple[torch.Tensor, ...]:
     if torch.compiler.is_compiling():
         return ctx.saved_tensors
     try:
-        return ctx.saved_tensors
+        saved = ctx.saved_tensors
     except RuntimeError as error:
-        if "modified by an inplace operation" in str(error):
+        # Only after a first walk: anything else changed in place is the caller's, and PyTorch says so.
+        if getattr(ctx, "walked", False) and "modified by an inplace operation" in str(error):
             ops.refuse_second_walk()
         raise
+    ctx.walked = True
+    return saved
 
 
 class SwiGLUMLPFunction(torch.autograd.Function):

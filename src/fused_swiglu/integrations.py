@@ -18,11 +18,18 @@ from .functional import (
     swiglu_mlp,
 )
 from .layout import CHUNK, pack_gate_up
-from .nn import SwiGLUMLP, is_silu, multiplier_of
+from .mlp_layouts import (
+    ACTIVATIONS,
+    PROJECTIONS,
+    activation_of,
+    gate_up_weights,
+    is_silu,
+    layout_of,
+    multiplier_of,
+)
+from .nn import SwiGLUMLP
 
 _LOG = logging.getLogger("fused_swiglu")
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_EXPECTED_CHILDREN = {*_PROJECTIONS, "act_fn"}
 
 
 class SwapReport(list):
@@ -36,24 +43,24 @@ class SwapReport(list):
 
 
 def llama_mlp_pattern(module: nn.Module) -> bool:
-    """Whether ``module`` looks like transformers' ``LlamaMLP`` and can be fused as it is: bias-free
-    ``gate_proj``/``up_proj`` [I, H] and ``down_proj`` [H, I] ``nn.Linear`` (not subclasses), an
-    ``act_fn`` that is SiLU, no other submodule, and I a multiple of 8."""
+    """Whether ``module`` is a SwiGLU MLP that can be fused as it is: bias-free ``gate_proj``/``up_proj``
+    [I, H] (or one ``gate_up_proj`` [2I, H] = [gate; up]) and ``down_proj`` [H, I] ``nn.Linear`` (not
+    subclasses), a SiLU ``act_fn``/``activation_fn``, no other submodule, and I a multiple of 8."""
     return _mismatch(module) is None
 
 
 def _has_projections(module: nn.Module) -> bool:
-    return not isinstance(module, SwiGLUMLP) and all(
-        isinstance(getattr(module, name, None), nn.Module) for name in _PROJECTIONS
-    )
+    return not isinstance(module, SwiGLUMLP) and layout_of(module) is not None
 
 
 def _mismatch(module: nn.Module) -> str | None:
-    """Why ``module`` (which has gate, up and down projections) cannot be fused as it is, or None."""
+    """Why ``module`` cannot be fused as it is, or None."""
     if not _has_projections(module):
-        return "no gate_proj, up_proj and down_proj Linears"
-    linears = [getattr(module, name) for name in _PROJECTIONS]
-    for name, m in zip(_PROJECTIONS, linears, strict=True):
+        return "no gate and up projections"
+    layout = layout_of(module)
+    names = PROJECTIONS[layout]
+    linears = [getattr(module, name) for name in names]
+    for name, m in zip(names, linears, strict=True):
         # Exactly nn.Linear: subclasses (quantized layers, adapter wrappers) hold weights that are not
         # a plain floating-point matrix, or compute more than x @ W^T.
         if type(m) is not nn.Linear:
@@ -63,14 +70,17 @@ def _mismatch(module: nn.Module) -> str | None:
             return f"{name} has a bias"
         if not m.weight.is_floating_point():
             return f"{name} holds {m.weight.dtype} weights"
-    act = getattr(module, "act_fn", None)
+    act = activation_of(module)
     if not is_silu(act):
-        return f"act_fn is {type(act).__name__}, not SiLU"
-    extra = [name for name, _ in module.named_children() if name not in _EXPECTED_CHILDREN]
+        return f"the activation is {type(act).__name__}, not SiLU"
+    extra = [name for name, _ in module.named_children() if name not in {*names, *ACTIVATIONS}]
     if extra:
         # A dropout (or any other submodule) would be lost, also when the model is in eval mode now.
         return f"it has submodules beyond the SwiGLU ({', '.join(extra)}) that the fused module would drop"
-    gate, up, down = (m.weight for m in linears)
+    if layout == "stacked" and module.gate_up_proj.weight.shape[0] % 2:
+        return "gate_up_proj has an odd number of rows"
+    gate, up = gate_up_weights(module, layout)
+    down = module.down_proj.weight
     inter, hidden = gate.shape
     if up.shape != gate.shape or down.shape != (hidden, inter):
         return (
@@ -97,7 +107,7 @@ def _forward_differs(module: nn.Module) -> str | None:
     x = torch.randn(4, weight.shape[0], device=weight.device, dtype=weight.dtype, generator=generator)
     with torch.no_grad():
         expected = module(x).float()
-        packed = pack_gate_up(module.gate_proj.weight, module.up_proj.weight)
+        packed = pack_gate_up(*gate_up_weights(module, layout_of(module)))
         multipliers = {name: multiplier_of(module, name) for name in ("gate_multiplier", "down_multiplier")}
         got = swiglu_mlp(x, packed, weight, **multipliers).float()
     error = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
@@ -114,7 +124,7 @@ def _tied_outside(model: nn.Module, names: list[str], module: nn.Module) -> str 
     for name, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)].append(name)
     prefixes = tuple(f"{n}." for n in names)
-    for projection in _PROJECTIONS:
+    for projection in PROJECTIONS[layout_of(module)]:
         others = [n for n in owners[id(getattr(module, projection).weight)] if not n.startswith(prefixes)]
         if others:
             return f"{projection}.weight is tied to {others[0]}, and packing would untie it"
@@ -192,6 +202,6 @@ def _log(swapped: list[str], skipped: dict[str, str], save: str) -> None:
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         _LOG.warning(f"{line}; left {len(skipped)} alone: {reasons}")
     elif not swapped:
-        _LOG.warning(f"{line}: no module with gate_proj, up_proj and down_proj Linears was found")
+        _LOG.warning(f"{line}: no module with gate, up and down projection Linears was found")
     else:
         _LOG.info(line)

@@ -24,8 +24,9 @@ from .functional import (
     swiglu_mlp,
 )
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
+from .mlp_layouts import CHECKPOINT_KEYS, CheckpointKeys, check_swiglu_mlp, gate_up_weights, multiplier_of
 
-_GATE, _UP, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj"
+_GATE, _UP, _PACKED, _STACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj", "gate_up_proj.weight"
 
 
 def _dtensor():
@@ -59,6 +60,9 @@ def _distributed_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _unpack_state_dict(module, state_dict, prefix, local_metadata) -> None:
     packed = state_dict.pop(prefix + _PACKED)
     gate, up = unpack_gate_up(_full(packed.detach()))
+    if module.checkpoint_keys == "stacked":
+        state_dict[prefix + _STACKED] = _distributed_like(torch.cat((gate, up)), packed)
+        return
     state_dict[prefix + _GATE], state_dict[prefix + _UP] = (
         _distributed_like(gate, packed),
         _distributed_like(up, packed),
@@ -69,10 +73,13 @@ def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing
     """Packs the Hugging Face ``gate_proj.weight`` and ``up_proj.weight`` into ``gate_up_proj``. A half
     that is absent keeps the module's current values and is reported missing under its own name (an
     error with ``strict``, as any missing key is); a half that is there is loaded."""
-    keys = prefix + _GATE, prefix + _UP
-    present = [key in state_dict for key in keys]
     if prefix + _PACKED in state_dict:
         return
+    if module.checkpoint_keys == "stacked":
+        _pack_stacked(module, state_dict, prefix, missing)
+        return
+    keys = prefix + _GATE, prefix + _UP
+    present = [key in state_dict for key in keys]
     missing.extend(key for key, there in zip(keys, present, strict=True) if not there)
     if not any(present):
         state_dict[prefix + _PACKED] = module.gate_up_proj.detach()  # nothing to load: left as it is
@@ -85,13 +92,33 @@ def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing
     state_dict[prefix + _PACKED] = _distributed_like(pack_gate_up(gate, up), module.gate_up_proj)
 
 
-def _add_packed_gate_up(module: nn.Module, hidden_size: int, intermediate_size: int, factory: dict) -> None:
+def _pack_stacked(module, state_dict, prefix, missing) -> None:
+    """``gate_up_proj.weight`` = [gate; up] (Phi-3, GLM-4) into the packed parameter; absent, the
+    parameter keeps its values and the key is reported missing."""
+    if prefix + _STACKED not in state_dict:
+        missing.append(prefix + _STACKED)
+        state_dict[prefix + _PACKED] = module.gate_up_proj.detach()  # nothing to load: left as it is
+        return
+    stacked = _full(state_dict.pop(prefix + _STACKED))
+    if stacked.dim() != 2 or stacked.shape[0] % 2:
+        raise ValueError(
+            f"{prefix + _STACKED} must be [2 * intermediate, hidden], got {tuple(stacked.shape)}"
+        )
+    state_dict[prefix + _PACKED] = _distributed_like(pack_gate_up(*stacked.chunk(2)), module.gate_up_proj)
+
+
+def _add_packed_gate_up(
+    module: nn.Module, hidden_size: int, intermediate_size: int, checkpoint_keys: str, factory: dict
+) -> None:
     for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(size).__name__}")
         if size <= 0:
             raise ValueError(f"{name} must be positive, got {size}")
     check_intermediate_size(intermediate_size)
+    if checkpoint_keys not in CHECKPOINT_KEYS:
+        raise ValueError(f"checkpoint_keys must be one of {list(CHECKPOINT_KEYS)}, got {checkpoint_keys!r}")
+    module.checkpoint_keys = checkpoint_keys
     module.hidden_size = hidden_size
     module.intermediate_size = intermediate_size
     module.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
@@ -104,46 +131,6 @@ def _reset_packed_gate_up(weight: nn.Parameter) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
-# Activation modules that compute SiLU: torch's, and the name transformers has used for its own.
-_SILU_TYPES = ("SiLU", "SiLUActivation")
-
-
-def is_silu(act) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ in _SILU_TYPES
-
-
-def multiplier_of(mlp: nn.Module, name: str) -> float:
-    """The module's ``gate_multiplier`` or ``down_multiplier`` (Falcon-H1 sets them), else 1.0."""
-    value = getattr(mlp, name, 1.0)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"from_mlp: {type(mlp).__name__}.{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def _check_llama_mlp(mlp) -> None:
-    """Refuse, naming the problem, a module ``SwiGLUMLP.from_mlp`` would copy into another function."""
-    names = ("gate_proj", "up_proj", "down_proj")
-    linears = [getattr(mlp, name, None) for name in names]
-    if not all(isinstance(m, nn.Linear) for m in linears):
-        found = ", ".join(f"{n}: {type(m).__name__}" for n, m in zip(names, linears, strict=True))
-        raise TypeError(f"from_mlp needs nn.Linear gate_proj, up_proj and down_proj children; got {found}")
-    if any(m.bias is not None for m in linears):
-        raise ValueError("from_mlp: the fused MLP has no biases; this module's projections have one")
-    act = getattr(mlp, "act_fn", None)
-    if act is not None and not is_silu(act):
-        raise ValueError(
-            f"from_mlp: the fused MLP computes SiLU; this module's act_fn is {type(act).__name__}"
-        )
-    (gate, up, down) = (m.weight for m in linears)
-    if up.shape != gate.shape or down.shape != gate.shape[::-1]:
-        raise ValueError(
-            f"from_mlp: gate {tuple(gate.shape)}, up {tuple(up.shape)} and down {tuple(down.shape)} "
-            "weights must be [I, H], [I, H] and [H, I]"
-        )
-
-
 class SwiGLUMLP(nn.Module):
     """``down_multiplier * down_proj(silu(gate_multiplier * gate_proj(x)) * up_proj(x))``, fused.
 
@@ -154,6 +141,9 @@ class SwiGLUMLP(nn.Module):
             ``"preact"`` (2I) or ``"recompute"`` (none; one more GEMM in the backward); may be changed
             on the instance.
         gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
+        checkpoint_keys: the state-dict keys of gate and up: ``"separate"`` (default;
+            ``gate_proj.weight`` and ``up_proj.weight``, as LlamaMLP) or ``"stacked"``
+            (``gate_up_proj.weight`` = [gate; up], as Phi-3 and GLM-4).
         device, dtype: of the parameters.
 
     Parameters: ``gate_up_proj`` ``[2I, H]`` (packed, see :mod:`fused_swiglu.layout`) and
@@ -168,13 +158,14 @@ class SwiGLUMLP(nn.Module):
         save: SaveMode = DEFAULT_SAVE,
         gate_multiplier: float = 1.0,
         down_multiplier: float = 1.0,
+        checkpoint_keys: CheckpointKeys = "separate",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_save_mode(save)
         factory = {"device": device, "dtype": dtype}
-        _add_packed_gate_up(self, hidden_size, intermediate_size, factory)
+        _add_packed_gate_up(self, hidden_size, intermediate_size, checkpoint_keys, factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
         self.save = save
         self.gate_multiplier = gate_multiplier
@@ -187,24 +178,31 @@ class SwiGLUMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, **kwargs) -> SwiGLUMLP:
-        """Build from a module with ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` children
-        (e.g. ``LlamaMLP``), copying its weights, whether each is trainable, and its
-        ``gate_multiplier``/``down_multiplier`` attributes where it has them (Falcon-H1). ``kwargs`` go
-        to the constructor and take precedence."""
-        _check_llama_mlp(mlp)
+        """Build from a SwiGLU MLP module with ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear``
+        children (e.g. ``LlamaMLP``) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), copying its
+        weights, whether each is trainable, its state-dict keys, and its ``gate_multiplier`` /
+        ``down_multiplier`` attributes where it has them (Falcon-H1). ``kwargs`` go to the
+        constructor and take precedence."""
+        try:
+            layout = check_swiglu_mlp(mlp)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"from_mlp: {error}") from None
         for name in ("gate_multiplier", "down_multiplier"):
             kwargs.setdefault(name, multiplier_of(mlp, name))
-        inter, hidden = mlp.gate_proj.weight.shape
-        weight = mlp.gate_proj.weight
+        kwargs.setdefault("checkpoint_keys", layout)
+        weight = mlp.down_proj.weight
+        hidden, inter = weight.shape
         # Built on the meta device and then given memory: no random initialisation that the copy
         # would overwrite anyway (it would cost time and move the caller's random stream).
         new = cls(hidden, inter, device="meta", dtype=weight.dtype, **kwargs).to_empty(device=weight.device)
+        asked, new.checkpoint_keys = new.checkpoint_keys, layout  # loaded in the module's own keys
         new.load_state_dict(mlp.state_dict())
+        new.checkpoint_keys = asked
         # Frozen weights stay frozen; one packed parameter cannot hold a frozen and a trainable half.
-        gate_trains, up_trains = mlp.gate_proj.weight.requires_grad, mlp.up_proj.weight.requires_grad
-        if gate_trains != up_trains:
+        gate, up = gate_up_weights(mlp, layout)
+        if gate.requires_grad != up.requires_grad:
             raise ValueError("gate_proj and up_proj must both be trainable or both frozen to be packed")
-        new.gate_up_proj.requires_grad_(gate_trains)
+        new.gate_up_proj.requires_grad_(gate.requires_grad)
         new.down_proj.weight.requires_grad_(mlp.down_proj.weight.requires_grad)
         return new
 
@@ -230,6 +228,8 @@ class SwiGLUMLP(nn.Module):
         parts.append(f"save={self.save!r}")
         if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
             parts.append(f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}")
+        if self.checkpoint_keys != "separate":
+            parts.append(f"checkpoint_keys={self.checkpoint_keys!r}")
         return ", ".join(parts)
 
 
@@ -238,8 +238,8 @@ class SwiGLULinear(nn.Module):
 
     For blocks that own their down projection (Megatron-style stacks, MoE experts). ``save`` is
     ``"factors"`` (2I elements kept per token, an in-place two-multiply backward) or ``"recompute"``.
-    Parameter: ``gate_up_proj`` ``[2I, H]``, packed; state-dict keys ``gate_proj.weight``,
-    ``up_proj.weight``.
+    Parameter: ``gate_up_proj`` ``[2I, H]``, packed; state-dict keys ``gate_proj.weight`` and
+    ``up_proj.weight``, or with ``checkpoint_keys="stacked"`` ``gate_up_proj.weight``.
     """
 
     def __init__(
@@ -249,12 +249,14 @@ class SwiGLULinear(nn.Module):
         *,
         save: str = "factors",
         gate_multiplier: float = 1.0,
+        checkpoint_keys: CheckpointKeys = "separate",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_save_mode(save, LINEAR_SAVE_MODES)
-        _add_packed_gate_up(self, hidden_size, intermediate_size, {"device": device, "dtype": dtype})
+        factory = {"device": device, "dtype": dtype}
+        _add_packed_gate_up(self, hidden_size, intermediate_size, checkpoint_keys, factory)
         self.save = save
         self.gate_multiplier = gate_multiplier
         self.reset_parameters()

@@ -169,11 +169,11 @@ def run_variant(spec: RunSpec) -> dict:
     }
 
 
-def run_in_fresh_process(spec: RunSpec, env: dict | None = None, timeout: float | None = None) -> dict:
+def run_in_fresh_process(spec: RunSpec, timeout: float | None = None) -> dict:
     """``run_variant(spec)`` in a new Python process; a failure is reported, not raised."""
     command = [sys.executable, "-m", "fused_swiglu.bench.model", json.dumps(asdict(spec))]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**asdict(spec), "error": f"timed out after {timeout} s"}
     for line in reversed(done.stdout.splitlines()):
