@@ -73,6 +73,10 @@ def _mismatch(module: nn.Module) -> str | None:
     act = activation_of(module)
     if not is_silu(act):
         return f"the activation is {type(act).__name__}, not SiLU"
+    dropout = {k: v for k, v in vars(module).items() if "dropout" in k and isinstance(v, float) and v > 0}
+    if dropout:
+        # Applied functionally in training only: an eval-mode comparison cannot see it.
+        return f"it applies dropout ({', '.join(f'{k}={v}' for k, v in dropout.items())})"
     extra = [name for name, _ in module.named_children() if name not in {*names, *ACTIVATIONS}]
     if extra:
         # A dropout (or any other submodule) would be lost, also when the model is in eval mode now.
@@ -105,8 +109,11 @@ def _forward_differs(module: nn.Module) -> str | None:
     # A private generator: swapping must not move the caller's random stream.
     generator = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(4, weight.shape[0], device=weight.device, dtype=weight.dtype, generator=generator)
-    with torch.no_grad():
-        expected = module(x).float()
+    was_training = module.training
+    # In training mode: a dropout, or anything else that acts in training only, shows as a difference.
+    with torch.no_grad(), torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []):
+        expected = module.train()(x).float()
+        module.train(was_training)
         packed = pack_gate_up(*gate_up_weights(module, layout_of(module)))
         multipliers = {name: multiplier_of(module, name) for name in ("gate_multiplier", "down_multiplier")}
         got = swiglu_mlp(x, packed, weight, **multipliers).float()

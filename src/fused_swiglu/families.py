@@ -1,0 +1,108 @@
+"""What ``swap_swiglu_mlps`` does for every causal-LM family of the installed transformers: each family's
+model is built from a tiny config on the meta device (no memory, no download) and swapped; every MLP
+class found is then materialised alone with random weights and swapped with the forward check, so
+that "fused" means the fused module computes what the family's MLP computes.
+
+``python -m fused_swiglu.families`` prints the table (Markdown); ``tests/test_families.py`` holds the
+table of the tested transformers release to the same results.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+from .integrations import _has_projections, _mismatch, swap_swiglu_mlps
+
+#: Small sizes, set where a family's config has the attribute.
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "pad_token_id": 0,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
+
+
+class _Holder(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+
+def _checked(mlp: nn.Module) -> str:
+    """``mlp`` materialised with random weights and swapped with the forward check: "fused" or why not."""
+    mlp = mlp.to_empty(device="cpu").float()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5)
+    report = swap_swiglu_mlps(_Holder(mlp), on_mismatch="skip")
+    return "fused" if report else f"left alone: {report.skipped['mlp']}"
+
+
+def family_row(model_type: str) -> dict:
+    """One family: how many modules the swap fuses in its tiny model, and per MLP class the outcome."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(model_type)
+        for name, value in TINY.items():
+            if hasattr(config, name):
+                setattr(config, name, value)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # noqa: BLE001 - a config that does not build small is reported, not raised
+        return {"family": model_type, "built": False, "why": f"{type(error).__name__}"}
+    classes = {type(m).__name__: m for m in model.modules() if _has_projections(m)}
+    # What a swap of weights not yet materialised (nothing to compare) takes by structure alone.
+    unchecked = sorted(name for name, m in classes.items() if _mismatch(m) is None)
+    outcomes = {name: _checked(m) for name, m in classes.items()}
+    swapped = swap_swiglu_mlps(model, check=False)
+    return {
+        "family": model_type,
+        "built": True,
+        "swapped": len(swapped),
+        "mlps": outcomes,
+        "unchecked": unchecked,
+    }
+
+
+def family_rows() -> list[dict]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    logging.getLogger("fused_swiglu").setLevel(logging.ERROR)  # the table says what the warnings would
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [family_row(t) for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| family | MLP modules fused (tiny model) | MLP classes: outcome |", "|---|---|---|"]
+    for r in rows:
+        if not r["built"]:
+            lines.append(f"| {r['family']} | - | no tiny config built ({r['why']}) |")
+            continue
+        mlps = "; ".join(f"{name}: {what}" for name, what in r["mlps"].items()) or "no gated MLP module"
+        lines.append(f"| {r['family']} | {r['swapped']} | {mlps} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import transformers
+
+    print(f"transformers {transformers.__version__}\n")
+    print(markdown(family_rows()))
