@@ -43,6 +43,35 @@ class _Holder(nn.Module):
         self.mlp = mlp
 
 
+def _tiny(config, nested: bool):
+    """``config`` with :data:`TINY` set on it and, if ``nested``, on every sub-config (encoder, decoder,
+    text, ...), so that each MLP class is checked at a small size."""
+    from transformers import PretrainedConfig
+
+    for name, value in TINY.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    for value in vars(config).values() if nested else ():
+        if isinstance(value, PretrainedConfig):
+            _tiny(value, nested)
+    return config
+
+
+def _tiny_model(model_type: str) -> nn.Module:
+    """The family's model from a tiny config, on the meta device; sub-configs shrunk where they allow it
+    (some, with per-layer attributes, refuse a global value)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build(nested: bool) -> nn.Module:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(_tiny(AutoConfig.for_model(model_type), nested))
+
+    try:
+        return build(nested=True)
+    except Exception:  # noqa: BLE001 - retried with the top-level config alone (its error is reported)
+        return build(nested=False)
+
+
 def _checked(mlp: nn.Module) -> str:
     """``mlp`` materialised with random weights and swapped with the forward check: "fused" or why not."""
     mlp = mlp.to_empty(device="cpu").float()
@@ -56,15 +85,8 @@ def _checked(mlp: nn.Module) -> str:
 
 def family_row(model_type: str) -> dict:
     """One family: how many modules the swap fuses in its tiny model, and per MLP class the outcome."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
-        config = AutoConfig.for_model(model_type)
-        for name, value in TINY.items():
-            if hasattr(config, name):
-                setattr(config, name, value)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = _tiny_model(model_type)
     except Exception as error:  # noqa: BLE001 - a config that does not build small is reported, not raised
         return {"family": model_type, "built": False, "why": f"{type(error).__name__}"}
     classes = {type(m).__name__: m for m in model.modules() if _has_projections(m)}
