@@ -80,6 +80,7 @@ def forward_kernel(
         "a_desc": _descriptor_type([cfg.block_m, width], dtype),
     }
     constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    constants |= {"u_desc": None, "v_desc": None}  # no low-rank term
     if save == Saved.NOTHING:
         constants["s_desc"] = None
     else:

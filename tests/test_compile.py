@@ -178,8 +178,8 @@ def test_backward_op_refuses_what_it_overwrote_before(device, glu):
     """The backward op itself refuses a kept tensor it has overwritten, whatever hands it over again."""
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     if glu:
-        _, kept = ops.swiglu_linear_forward(p.x, p.w_gate_up, 1.0, "factors")
-        args = (p.da, p.x, p.w_gate_up, kept, 1.0, "factors", True, True)
+        _, kept = ops.swiglu_linear_forward(p.x, p.w_gate_up, 1.0, "factors", None, None)
+        args = (p.da, p.x, p.w_gate_up, kept, None, None, 1.0, "factors", True, True, False, False)
         backward = ops.swiglu_linear_backward
     else:
         _, kept, _ = ops.swiglu_mlp_forward(p.x, p.w_gate_up, p.w_down, 1.0, 1.0, "preact")
@@ -333,13 +333,16 @@ def test_ops_pass_opcheck(device, save):
     ops, by torch's own checker."""
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x, w, wd = p.x, p.w_gate_up, p.w_down
+    u, v = torch.randn(37, 16, device=device), torch.randn(144, 16, device=device)  # a low-rank term
     checks = [
         (ops.swiglu_mlp_inference, (x, w, wd, 0.5, 2.0)),
-        (ops.swiglu_linear_inference, (x, w, 0.5)),
+        (ops.swiglu_linear_inference, (x, w, 0.5, None, None)),
+        (ops.swiglu_linear_inference, (x, w, 0.5, u, v)),
         (ops.swiglu_mlp_forward, (x, w, wd, 0.5, 2.0, save)),
     ]
     if save != "preact":
-        checks.append((ops.swiglu_linear_forward, (x, w, 0.5, save)))
+        checks.append((ops.swiglu_linear_forward, (x, w, 0.5, save, None, None)))
+        checks.append((ops.swiglu_linear_forward, (x, w, 0.5, save, u, v)))
     for op, args in checks:
         results = torch.library.opcheck(op, args)
         assert set(results.values()) == {"SUCCESS"}, (op, results)
@@ -357,10 +360,12 @@ def test_backward_ops_fake_implementations_match(device, save, glu):
         pytest.skip("the GLU operator keeps the factors or nothing")
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x, w, wd = p.x, p.w_gate_up, p.w_down
+    u, v = torch.randn(37, 16, device=device), torch.randn(144, 16, device=device)  # a low-rank term
     for needs in [(True, True, save != "factors"), (True, False, False), (False, True, False)]:
         if glu:
-            _, kept = ops.swiglu_linear_forward(x, w, 0.5, save)
-            op, args = ops.swiglu_linear_backward, (p.da, x, w, kept, 0.5, save, *needs[:2])
+            _, kept = ops.swiglu_linear_forward(x, w, 0.5, save, u, v)
+            grads = (*needs[:2], needs[0], not needs[0])  # dU with dX, dV without
+            op, args = ops.swiglu_linear_backward, (p.da, x, w, kept, u, v, 0.5, save, *grads)
         else:
             _, kept, a = ops.swiglu_mlp_forward(x, w, wd, 0.5, 2.0, save)
             after = p.dy.t() @ a if save == "factors" else None  # dW_down, made before the op

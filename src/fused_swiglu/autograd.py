@@ -80,18 +80,20 @@ class SwiGLUMLPFunction(torch.autograd.Function):
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
-    """a = silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T) from the packed weight: the GLU half alone."""
+    """a = silu(gate_multiplier * g) * u from the packed pre-activation [u | g] = x @ W^T (+ u_lr @ v^T,
+    a low-rank term, if given): the GLU half alone."""
 
     @staticmethod
-    def forward(ctx, x2d, gate_up_weight, gate_multiplier: float, save: str):
-        a, factors = ops.swiglu_linear_forward(x2d, gate_up_weight, gate_multiplier, save)
-        ctx.save_for_backward(x2d, gate_up_weight, factors)
+    def forward(ctx, x2d, gate_up_weight, gate_multiplier: float, save: str, u=None, v=None):
+        a, factors = ops.swiglu_linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v)
+        ctx.save_for_backward(x2d, gate_up_weight, factors, u, v)
         ctx.scalars = (gate_multiplier, save)
         return a
 
     @staticmethod
     def backward(ctx, da):
         _refuse_double_backward()
-        needs = ctx.needs_input_grad[:2]
+        needs = (*ctx.needs_input_grad[:2], *ctx.needs_input_grad[4:6])
         grads = ops.swiglu_linear_backward(da, *_saved_tensors(ctx), *ctx.scalars, *needs)
-        return *(g if need else None for g, need in zip(grads, needs, strict=True)), None, None
+        dx, dw, du, dv = (g if need else None for g, need in zip(grads, needs, strict=True))
+        return dx, dw, None, None, du, dv

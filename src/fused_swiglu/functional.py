@@ -174,9 +174,10 @@ def swiglu_linear(
     *,
     gate_multiplier: float = 1.0,
     save: Literal["factors", "recompute"] = "factors",
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The GLU half alone: ``silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)``, for callers that own the
-    down projection (Megatron-style blocks, MoE experts).
+    down projection (Megatron-style blocks, MoE experts, LoRA on the down projection).
 
     Args:
         x: ``[..., hidden]``.
@@ -184,21 +185,54 @@ def swiglu_linear(
         gate_multiplier: scalar multiplier of the gate pre-activation.
         save: ``"factors"`` keeps [silu(g) | u * silu'(g)] (2 * intermediate per token; the backward is
             two multiplies, in place) or ``"recompute"`` keeps nothing and re-runs the fused GEMM.
+        low_rank: ``(u, v)``, ``u`` ``[..., R]`` and ``v`` ``[2 * intermediate, R]`` packed like the weight
+            (:func:`fused_swiglu.layout.pack_gate_up`): ``u @ v^T`` is added to the packed
+            pre-activation inside the fused GEMM, and gradients flow to both. LoRA adapters on gate and
+            up are this term: ``u`` the scaled ``A x`` of each adapter side by side, ``v`` their ``B``
+            (``fused_swiglu.lora``).
 
     Returns:
         ``[..., intermediate]``.
     """
     gate_up_weight = _as_packed(gate_up_weight)
-    x, gate_up_weight = _autocast(x, gate_up_weight)
+    u, v = (None, None) if low_rank is None else low_rank
+    x, gate_up_weight, u, v = _autocast(x, gate_up_weight, u, v)
     _validate(x, gate_up_weight)
     check_save_mode(save, LINEAR_SAVE_MODES)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     two_inter, hidden = gate_up_weight.shape
     x2d = x.reshape(-1, hidden)
+    if low_rank is not None:
+        u, v = _low_rank_2d(x, gate_up_weight, u, v)
     if not fused_path_available(x2d, gate_up_weight):
-        a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier)
-    elif _needs_autograd(x2d, gate_up_weight):
-        a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save)
+        low = None if u is None else (u, v)
+        a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier, low_rank=low)
+    elif _needs_autograd(x2d, gate_up_weight, u, v):
+        a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save, u, v)
     else:
-        a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier)
+        a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier, u, v)
     return a.reshape(*x.shape[:-1], two_inter // 2)
+
+
+def _low_rank_2d(x, gate_up_weight, u, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(u, v)`` checked against x and the weight, u made 2-D, and both zero-padded to a multiple of
+    16 columns (the kernel's smallest dot; zeros add nothing, and their gradients are cut off)."""
+    for name, t in (("u", u), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"low_rank {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(
+                f"low_rank {name} must match x's dtype and device ({x.dtype} on {x.device}), got "
+                f"{t.dtype} on {t.device}"
+            )
+    rank = v.shape[-1] if v.dim() == 2 else -1
+    if v.dim() != 2 or v.shape[0] != gate_up_weight.shape[0] or u.shape != (*x.shape[:-1], rank) or rank < 1:
+        raise ValueError(
+            f"low_rank needs u [..., R] with x's leading dims {tuple(x.shape[:-1])} and v "
+            f"[{gate_up_weight.shape[0]}, R]; got u {tuple(u.shape)} and v {tuple(v.shape)}"
+        )
+    pad = -rank % 16
+    u2d = u.reshape(-1, rank)
+    if pad:
+        u2d, v = torch.nn.functional.pad(u2d, (0, pad)), torch.nn.functional.pad(v, (0, pad))
+    return u2d, v

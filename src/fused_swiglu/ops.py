@@ -156,67 +156,83 @@ swiglu_mlp_backward = define(
 
 
 # The GLU operator ------------------------------------------------------------------------------------
+# ``u`` [M, R] and ``v`` [2I, R]: an optional low-rank term u @ v^T of the packed pre-activation (LoRA
+# adapters on gate and up), R a multiple of 16; both given or neither.
+
+
+def _low_rank(u, v) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if u is None else (tma_ready(u), tma_ready(v))
 
 
 @_on_tensor_device
-def _linear_inference(x2d, gate_up_weight, gate_multiplier):
+def _linear_inference(x2d, gate_up_weight, gate_multiplier, u, v):
     """x [M, H], packed [2I, H] -> a [M, I]; nothing kept."""
     args = (tma_ready(x2d), tma_ready(gate_up_weight))
-    return swiglu_linear_no_grad(*args, gate_multiplier, ("glu", *_signature(*args)))
+    low_rank = _low_rank(u, v)
+    key = ("glu", *_signature(*args, *(low_rank or ())))
+    return swiglu_linear_no_grad(*args, gate_multiplier, key, low_rank)
 
 
-def _linear_inference_fake(x2d, gate_up_weight, gate_multiplier):
+def _linear_inference_fake(x2d, gate_up_weight, gate_multiplier, u, v):
     return x2d.new_empty(x2d.shape[0], gate_up_weight.shape[0] // 2)
 
 
 swiglu_linear_inference = define(
-    "swiglu_linear_inference(Tensor x2d, Tensor gate_up_weight, float gate_multiplier) -> Tensor",
+    "swiglu_linear_inference(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, Tensor? u, "
+    "Tensor? v) -> Tensor",
     _linear_inference,
     _linear_inference_fake,
 )
 
 
 @_on_tensor_device
-def _linear_forward(x2d, gate_up_weight, gate_multiplier, save):
+def _linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v):
     """``a`` [M, I] and the kept factors [M, 2I] (empty for ``"recompute"``)."""
     args = (tma_ready(x2d), tma_ready(gate_up_weight))
-    a, factors = linear_forward(*args, gate_multiplier, KEPT[save], ("glu", *_signature(*args)))
+    low_rank = _low_rank(u, v)
+    key = ("glu", *_signature(*args, *(low_rank or ())))
+    a, factors = linear_forward(*args, gate_multiplier, KEPT[save], key, low_rank)
     return a, _empty_if_none(factors, x2d)
 
 
-def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save):
+def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save, u, v):
     m, two_inter = x2d.shape[0], gate_up_weight.shape[0]
     factors = x2d.new_empty(m, two_inter) if save != "recompute" else x2d.new_empty(0)
     return x2d.new_empty(m, two_inter // 2), factors
 
 
 swiglu_linear_forward = define(
-    "swiglu_linear_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save) "
-    "-> (Tensor, Tensor)",
+    "swiglu_linear_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save, Tensor? u, "
+    "Tensor? v) -> (Tensor, Tensor)",
     _linear_forward,
     _linear_forward_fake,
 )
 
 
 @_on_tensor_device
-def _linear_backward(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
-    """dX and the packed dW_gate_up (empty where not needed); overwrites ``factors``."""
+def _linear_backward(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs):
+    """dX, the packed dW_gate_up, dU and dV (empty where not needed); overwrites ``factors``."""
     if KEPT[save] != Saved.NOTHING:
         _overwrite_once(factors)
     args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors)
-    key = ("glu", *_signature(*args))
-    grads = linear_backward_(*args, KEPT[save], gate_multiplier, (need_dx, need_dw), key)
+    low_rank = _low_rank(u, v)
+    key = ("glu", *_signature(*args, *(low_rank or ())))
+    grads = linear_backward_(*args, KEPT[save], gate_multiplier, needs, key, low_rank)
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
-def _linear_backward_fake(da, x2d, gate_up_weight, factors, gate_multiplier, save, need_dx, need_dw):
-    dx = x2d.new_empty(x2d.shape if need_dx else (0,))
-    return dx, x2d.new_empty(gate_up_weight.shape if need_dw else (0,))
+def _linear_backward_fake(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs):
+    shapes = (x2d.shape, gate_up_weight.shape, None if u is None else u.shape, None if v is None else v.shape)
+    return tuple(
+        x2d.new_empty(shape if need and shape is not None else (0,))
+        for shape, need in zip(shapes, needs, strict=True)
+    )
 
 
 swiglu_linear_backward = define(
-    "swiglu_linear_backward(Tensor da, Tensor x2d, Tensor gate_up_weight, Tensor factors, "
-    "float gate_multiplier, str save, bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+    "swiglu_linear_backward(Tensor da, Tensor x2d, Tensor gate_up_weight, Tensor factors, Tensor? u, "
+    "Tensor? v, float gate_multiplier, str save, bool need_dx, bool need_dw, bool need_du, bool need_dv) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
     _linear_backward,
     _linear_backward_fake,
 )

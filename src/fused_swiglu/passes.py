@@ -12,6 +12,10 @@ What is kept between forward and backward, per token (x and the weights not coun
 The backward overwrites the saved packed tensor with the packed pre-activation gradient (ops.py
 guards that it happens once).
 
+A low-rank term ``u @ v^T`` (LoRA adapters on gate and up: ``u`` [M, R], ``v`` [2I, R] packed like
+the weight) enters the GLU operator's pre-activation inside the forward GEMM; its gradients are two
+more small GEMMs on the packed pre-activation gradient.
+
 Inference saves nothing. At decode sizes (``CUBLAS_DECODE_ROWS`` rows or fewer) it runs the gate/up GEMM
 on cuBLAS plus one activation pass, which measured faster there than the fused kernel.
 
@@ -29,6 +33,7 @@ from .kernels.configs import (
     forward_is_warp_specialized,
     gemms_on_cublas,
     inference_uses_cublas,
+    low_rank_in_kernel,
 )
 from .kernels.glu_activation import glu_activation
 from .kernels.glu_backward import glu_backward_
@@ -54,14 +59,16 @@ def _recompute_pieces(inter: int) -> tuple[int, int]:
     return pieces, inter // pieces
 
 
-def _forward(x, w_gate_up, *, save: Saved, write_a: bool = True, caller_key=None, **scales):
+def _forward(x, w_gate_up, *, save: Saved, write_a: bool = True, low_rank=None, caller_key=None, **scales):
     """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus an in-place pass (same contract)."""
     on_gpu = not interpreting()
-    if forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
+    if low_rank is None and forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
         return glu_forward_ws(x, w_gate_up, save=save, caller_key=caller_key, **scales)
-    launch = glu_forward_split if gemms_on_cublas(x.dtype, on_gpu) else glu_forward
-    return launch(x, w_gate_up, save=save, write_a=write_a, caller_key=caller_key, **scales)
+    split = gemms_on_cublas(x.dtype, on_gpu) or not low_rank_in_kernel(low_rank)
+    launch = glu_forward_split if split else glu_forward
+    options = {"save": save, "write_a": write_a, "low_rank": low_rank, "caller_key": caller_key}
+    return launch(x, w_gate_up, **options, **scales)
 
 
 def _backward_(dy, w_down, saved, *, kind, caller_key=None, **scales):
@@ -74,13 +81,15 @@ def _backward_(dy, w_down, saved, *, kind, caller_key=None, **scales):
     return launch(dy, w_down, saved, kind=kind, caller_key=caller_key, **scales)
 
 
-def _glu_no_grad(x, w_gate_up, gate_scale: float, out_scale: float, caller_key=None):
+def _glu_no_grad(x, w_gate_up, gate_scale: float, out_scale: float, caller_key=None, low_rank=None):
     """``out_scale * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
     scales = {"gate_scale": gate_scale, "out_scale": out_scale}
     if inference_uses_cublas(x.shape[0]):
         h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
+        if low_rank is not None:
+            h.addmm_(low_rank[0], low_rank[1].t())
         return glu_activation(h, caller_key=caller_key, **scales)
-    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, caller_key=caller_key, **scales)
+    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, low_rank=low_rank, caller_key=caller_key, **scales)
     return a
 
 
@@ -90,9 +99,9 @@ def swiglu_mlp_no_grad(x, w_gate_up, w_down, gate_multiplier: float, down_multip
     return torch.mm(a, w_down.t())
 
 
-def swiglu_linear_no_grad(x, w_gate_up, gate_multiplier: float, caller_key=None) -> torch.Tensor:
+def swiglu_linear_no_grad(x, w_gate_up, gate_multiplier: float, caller_key=None, low_rank=None):
     """Inference of the GLU half."""
-    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0, caller_key)
+    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0, caller_key, low_rank)
 
 
 def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict, caller_key=None):
@@ -123,22 +132,39 @@ def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, ne
     return dx, dw_gate_up, dw_down
 
 
-def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved, caller_key=None):
+def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved, caller_key=None, low_rank=None):
     """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
     scales = {"gate_scale": gate_multiplier, "out_scale": 1.0}
-    return _forward(x, w_gate_up, save=kept, caller_key=caller_key, **scales)
+    return _forward(x, w_gate_up, save=kept, low_rank=low_rank, caller_key=caller_key, **scales)
 
 
-def linear_backward_(da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs, caller_key=None):
-    """(dX, packed dW_gate_up), each ``None`` where ``needs`` says it is not needed; overwrites the
-    saved ``factors`` with the packed pre-activation gradient."""
-    need_dx, need_dw = needs
+def linear_backward_(
+    da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs, caller_key=None, low_rank=None
+):
+    """(dX, packed dW_gate_up, dU, dV), each ``None`` where ``needs`` says it is not needed (or there is
+    no low-rank term); overwrites the saved ``factors`` with the packed pre-activation gradient."""
     if kept == Saved.NOTHING:
-        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, need_dx, need_dw)
-    grad_gate_up = glu_grad_(da, factors, caller_key=caller_key)  # [dU | dG], over the factors
-    dx = torch.mm(grad_gate_up, w_gate_up) if need_dx else None
-    dw_gate_up = torch.mm(grad_gate_up.t(), x) if need_dw else None
-    return dx, dw_gate_up
+        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, needs, low_rank)
+    grad = glu_grad_(da, factors, caller_key=caller_key)  # [dU | dG], over the factors
+    return _glu_grads(grad, x, w_gate_up, needs, low_rank)
+
+
+def _glu_grads(grad, x, w_gate_up, needs, low_rank, out=None):
+    """dX, dW_gate_up, dU, dV from the packed pre-activation gradient ``grad`` (of the weight rows
+    ``w_gate_up`` and ``low_rank``'s v cover). With ``out`` = (dX, dW, dU, dV) buffers, dX and dU are
+    accumulated into and dW and dV written (the recompute pieces); the results are returned."""
+    need_dx, need_dw, need_du, need_dv = needs
+    u, v = low_rank if low_rank is not None else (None, None)
+    dx, dw, du, dv = out if out is not None else (None,) * 4
+    if need_dx:
+        dx = torch.mm(grad, w_gate_up) if dx is None else dx.addmm_(grad, w_gate_up)
+    if need_dw:
+        dw = torch.mm(grad.t(), x, out=dw)
+    if u is not None and need_du:
+        du = torch.mm(grad, v) if du is None else du.addmm_(grad, v)
+    if u is not None and need_dv:
+        dv = torch.mm(grad.t(), u, out=dv)
+    return dx, dw, du, dv
 
 
 def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gate_up, need_dw_down):
@@ -166,23 +192,30 @@ def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gat
     return dx, dw_gate_up, dw_down
 
 
-def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, need_dx: bool, need_dw: bool):
-    """dX and the packed dW of the GLU operator, its factors recomputed piece by piece (as above):
-    each piece's factors become its packed gradient in place, give dW's rows of the piece and add
-    the piece's term to dX, and are released."""
+def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, low_rank):
+    """dX, the packed dW, dU and dV of the GLU operator, its factors recomputed piece by piece (as
+    above): each piece's factors become its packed gradient in place, give dW's (and dV's) rows of the
+    piece and add the piece's terms to dX (and dU), and are released."""
     pieces, width = _recompute_pieces(da.shape[1])
-    dx = None
+    need_dx, need_dw, need_du, need_dv = needs
+    u, v = low_rank if low_rank is not None else (None, None)
     dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw else None
+    dv = empty(tuple(v.shape), u) if u is not None and need_dv else None
+    dx = du = None
     for k in range(pieces):
         rows = slice(2 * k * width, 2 * (k + 1) * width)
-        w_piece = w_gate_up[rows]
+        piece_low_rank = None if u is None else (u, v[rows])
         _, grad = _forward(
-            x, w_piece, gate_scale=gate_multiplier, out_scale=1.0, save=Saved.FACTORS, write_a=False
+            x,
+            w_gate_up[rows],
+            gate_scale=gate_multiplier,
+            out_scale=1.0,
+            save=Saved.FACTORS,
+            write_a=False,
+            low_rank=piece_low_rank,
         )
         glu_grad_(da[:, k * width : (k + 1) * width], grad)  # in place: the piece's [dU | dG]
-        if need_dw:
-            torch.mm(grad.t(), x, out=dw_gate_up[rows])
-        if need_dx:
-            dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
+        out = (dx, None if dw_gate_up is None else dw_gate_up[rows], du, None if dv is None else dv[rows])
+        dx, _, du, _ = _glu_grads(grad, x, w_gate_up[rows], needs, piece_low_rank, out)
         del grad  # before the next piece is made
-    return dx, dw_gate_up
+    return dx, dw_gate_up, du, dv

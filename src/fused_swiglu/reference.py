@@ -57,11 +57,16 @@ def reference_swiglu_packed(
     gate_up_weight: torch.Tensor,
     *,
     gate_multiplier: float = 1.0,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The GLU half from the packed ``[2I, H]`` weight: one GEMM, then a de-interleave of its columns."""
+    """The GLU half from the packed ``[2I, H]`` weight: one GEMM (plus ``u @ v^T`` for a low-rank term
+    ``(u, v)``, ``v`` packed like the weight), then a de-interleave of its columns."""
     x = _cast(x, compute_dtype)
-    up, gate = split_packed_columns(F.linear(x, _cast(gate_up_weight, compute_dtype)))
+    h = F.linear(x, _cast(gate_up_weight, compute_dtype))
+    if low_rank is not None:
+        h = h + F.linear(_cast(low_rank[0], compute_dtype), _cast(low_rank[1], compute_dtype))
+    up, gate = split_packed_columns(h)
     if gate_multiplier != 1.0:
         gate = gate * gate_multiplier
     return F.silu(gate) * up

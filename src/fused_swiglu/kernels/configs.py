@@ -81,6 +81,16 @@ def gemms_on_cublas(dtype: torch.dtype, on_gpu: bool) -> bool:
     return on_gpu and dtype == torch.float32
 
 
+#: The widest low-rank term (columns of u, a multiple of 16) the forward kernel adds in one extra dot
+#: per tile; wider ones (LoRA ranks above 32 on both gate and up) go to cuBLAS plus a pass.
+LOW_RANK_IN_KERNEL = 64
+
+
+def low_rank_in_kernel(low_rank) -> bool:
+    """Whether the forward kernel takes this ``(u, v)`` low-rank term (``None``: no term, trivially)."""
+    return low_rank is None or low_rank[0].shape[1] <= LOW_RANK_IN_KERNEL
+
+
 def _warp_specialized_runs(m: int, dtype: torch.dtype, on_gpu: bool) -> bool:
     """The Gluon kernels take 16-bit inputs and [128, 256] tiles; decode-sized batches (64 rows or
     fewer) keep the Triton kernels' small tiles, measured for them. Gluon kernels need a GPU: under

@@ -10,6 +10,9 @@ accumulator in registers and writes
 * the factors ``[silu(g) | gate_scale * up * silu'(g)]`` (backward is two multiplies), or
 * the raw accumulator ``[up | gate]`` (backward recomputes the sigmoid; ``a`` need not be kept).
 
+With a low-rank term (LoRA adapters on gate and up), one more ``tl.dot`` per tile adds
+``u @ v^T`` (``u`` [M, R], ``v`` [2I, R] packed like the weight) to the accumulator before the epilogue.
+
 The [M, 2I] pre-activation never reaches memory unless it is what is saved.
 """
 
@@ -70,6 +73,8 @@ def _glu_forward_kernel(
     w_desc,  # [2N, K] packed
     a_desc,  # [M, N], or None
     s_desc,  # [M, 2N] packed, or None
+    u_desc,  # [M, R] low-rank input, or None
+    v_desc,  # [2N, R] packed low-rank weight, or None
     M,
     N,
     K,
@@ -97,6 +102,10 @@ def _glu_forward_kernel(
             b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
             b_w = w_desc.load([2 * o_n, i_k * BK])  # [2BN, BK]
             b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
+        if u_desc is not None:
+            b_u = u_desc.load([o_m, 0])  # [BM, R]
+            b_v = v_desc.load([2 * o_n, 0])  # [2BN, R]
+            b_acc = tl.dot(b_u, b_v.T, b_acc, input_precision=DOT_PRECISION)
         W: tl.constexpr = 2 * BN // EPI_SPLIT  # packed columns per epilogue piece
         N_W: tl.constexpr = W // 2  # intermediate columns per piece
         if EPI_SPLIT == 1:
@@ -135,10 +144,13 @@ def glu_forward(
     out_scale: float,
     save: Saved,
     write_a: bool = True,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TileConfig | None = None,
     caller_key=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable.
+    """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable, as
+    must ``low_rank`` = (u [M, R], v [2I, R]) if given (R a multiple of 16): ``u @ v^T`` is added to
+    the pre-activation.
 
     Returns ``a`` [M, I] (scaled by ``out_scale``; ``None`` with ``write_a=False``, for a backward that
     only needs the factors) and the saved packed [M, 2I] tensor (or ``None``).
@@ -159,6 +171,8 @@ def glu_forward(
         Tma(w_packed, (2 * cfg.block_n, cfg.block_k)),
         None if a is None else Tma(a, (cfg.block_m, width)),
         None if saved is None else Tma(saved, (cfg.block_m, 2 * width)),
+        None if low_rank is None else Tma(low_rank[0], (cfg.block_m, low_rank[0].shape[1])),
+        None if low_rank is None else Tma(low_rank[1], (2 * cfg.block_n, low_rank[1].shape[1])),
         m,
         inter,
         hidden,

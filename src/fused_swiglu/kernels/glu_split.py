@@ -23,12 +23,17 @@ def glu_forward_split(
     out_scale: float,
     save: Saved,
     write_a: bool = True,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     caller_key=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``glu_forward`` with cuBLAS's x @ W_packed^T: returns ``(a or None, saved or None)``."""
+    """``glu_forward`` with cuBLAS's x @ W_packed^T (+ u @ v^T): returns ``(a or None, saved or None)``."""
     if not write_a and save == Saved.NOTHING:
         raise ValueError("the forward must write a, the saved tensor, or both")
     h = torch.mm(x, w_packed.t())  # [M, 2I] packed [u | g]: the pre-activation, as saved by "preact"
+    if low_rank is not None:
+        # h leaves here at version 0, as the fused kernel's output (the backward op checks it).
+        with torch.autograd._unsafe_preserve_version_counter(h):
+            h.addmm_(low_rank[0], low_rank[1].t())
     factors = save == Saved.FACTORS
     a = None
     if write_a or factors:
