@@ -291,17 +291,6 @@ def test_peft_lora_on_a_swapped_model_trains_its_adapters():
         assert relative_error(model(x), without) > 1e-3  # the adapter changes the output
 
 
-def test_peft_first_then_swap_leaves_the_adapted_mlp_alone_and_says_so():
-    peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        TinyModel([LlamaLikeMLP()]), peft.LoraConfig(r=4, target_modules=["gate_proj"])
-    )
-    report = swap_swiglu_mlps(model)
-    assert report == []
-    [(name, why)] = report.skipped.items()
-    assert name.endswith("layers.0.mlp") and "peft" in why and "not a plain nn.Linear" in why
-
-
 @pytest.mark.parametrize("family", ["Phi3", "Glm4"])
 def test_stacked_gate_up_models_swap_and_keep_their_checkpoints(family, tmp_path):
     """Phi-3 and GLM-4 keep gate and up stacked in one gate_up_proj Linear: the swap fuses them, the

@@ -11,13 +11,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .functional import (
-    DEFAULT_SAVE,
-    SaveMode,
-    check_save_mode,
-    swiglu_mlp,
-)
+from .functional import DEFAULT_SAVE, SaveMode, check_save_mode
 from .layout import CHUNK, pack_gate_up
+from .lora import base_of, is_lora_layer
+from .lora import refusal as lora_refusal
 from .mlp_layouts import (
     ACTIVATIONS,
     PROJECTIONS,
@@ -25,9 +22,8 @@ from .mlp_layouts import (
     gate_up_weights,
     is_silu,
     layout_of,
-    multiplier_of,
 )
-from .nn import SwiGLUMLP
+from .nn import SwiGLUMLP, fused_forward
 
 _LOG = logging.getLogger("fused_swiglu")
 
@@ -61,15 +57,22 @@ def _mismatch(module: nn.Module) -> str | None:
     names = PROJECTIONS[layout]
     linears = [getattr(module, name) for name in names]
     for name, m in zip(names, linears, strict=True):
-        # Exactly nn.Linear: subclasses (quantized layers, adapter wrappers) hold weights that are not
-        # a plain floating-point matrix, or compute more than x @ W^T.
-        if type(m) is not nn.Linear:
-            kind = f"{type(m).__module__}.{type(m).__qualname__}"
-            return f"{name} is a {kind}, not a plain nn.Linear (adapters and quantized layers are not fused)"
-        if m.bias is not None:
+        if is_lora_layer(m):
+            if layout == "stacked":
+                return f"{name} carries LoRA adapters on a stacked gate_up_proj, which is not fused"
+            why = lora_refusal(m)
+            if why is not None:
+                return f"{name}: {why}"
+        # Exactly nn.Linear: subclasses (quantized layers, other adapter wrappers) hold weights that
+        # are not a plain floating-point matrix, or compute more than x @ W^T.
+        base = base_of(m)
+        if type(base) is not nn.Linear:
+            kind = f"{type(base).__module__}.{type(base).__qualname__}"
+            return f"{name} is a {kind}, not a plain nn.Linear (quantized layers are not fused)"
+        if base.bias is not None:
             return f"{name} has a bias"
-        if not m.weight.is_floating_point():
-            return f"{name} holds {m.weight.dtype} weights"
+        if not base.weight.is_floating_point():
+            return f"{name} holds {base.weight.dtype} weights"
     act = activation_of(module)
     if not is_silu(act):
         return f"the activation is {type(act).__name__}, not SiLU"
@@ -111,12 +114,14 @@ def _forward_differs(module: nn.Module) -> str | None:
     x = torch.randn(4, weight.shape[0], device=weight.device, dtype=weight.dtype, generator=generator)
     was_training = module.training
     # In training mode: a dropout, or anything else that acts in training only, shows as a difference.
+    # The same seed for both: adapters' dropout draws the same masks in the same order.
     with torch.no_grad(), torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []):
+        torch.manual_seed(0)
         expected = module.train()(x).float()
-        module.train(was_training)
         packed = pack_gate_up(*gate_up_weights(module, layout_of(module)))
-        multipliers = {name: multiplier_of(module, name) for name in ("gate_multiplier", "down_multiplier")}
-        got = swiglu_mlp(x, packed, weight, **multipliers).float()
+        torch.manual_seed(0)
+        got = fused_forward(module, x, packed, DEFAULT_SAVE).float()
+        module.train(was_training)
     error = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
     # Loose enough for TF32 and 16-bit rounding on either side; a different function is off by O(1).
     tolerance = {torch.float64: 1e-6, torch.float32: 5e-3}.get(weight.dtype, 3e-2)
@@ -149,16 +154,18 @@ def swap_swiglu_mlps(
     holding the same weights (same device and dtype, frozen where they were, Falcon-H1 multipliers
     carried), and return their names as a ``SwapReport`` (a list, with ``.skipped``).
 
-    Swap before building the optimizer (the parameters are new objects) and before wrapping the model
-    in FSDP/DDP or dispatching it with accelerate. A module shared by several places is replaced by
-    one fused module in all of them. Modules that have gate, up and down projections but cannot be
-    fused as they are (adapters such as PEFT's LoRA layers, biases, other activations, extra
-    submodules such as a dropout, weights tied elsewhere, offloaded weights, odd sizes) are left
-    alone and reported in ``.skipped`` with the reason, and in a warning of the ``fused_swiglu``
-    logger. With ``check`` (default), every candidate is first compared with the fused function on a
-    few random rows; a module whose forward differs raises ``ValueError`` and nothing is swapped, or
-    with ``on_mismatch="skip"`` is left alone and reported. Modules on the meta device (weights not
-    materialised yet) cannot be compared and are swapped as built. ``save`` goes to every ``SwiGLUMLP``.
+    Swap before building the optimizer (the parameters are new objects) and before wrapping the model in
+    FSDP/DDP or dispatching it with accelerate. A module shared by several places is replaced by one
+    fused module in all of them. PEFT's LoRA adapters on gate, up and down are kept and computed inside
+    the fused call (apply PEFT first, then swap; lora.py). Modules that have gate, up and down
+    projections but cannot be fused as they are (DoRA and other LoRA variants, biases, other
+    activations, extra submodules such as a dropout, weights tied elsewhere, offloaded weights, odd
+    sizes) are left alone and reported in ``.skipped`` with the reason, and in a warning of the
+    ``fused_swiglu`` logger. With ``check`` (default), every candidate is first compared with the fused
+    function on a few random rows; a module whose forward differs raises ``ValueError`` and nothing is
+    swapped, or with ``on_mismatch="skip"`` is left alone and reported. Modules on the meta device
+    (weights not materialised yet) cannot be compared and are swapped as built. ``save`` goes to every
+    ``SwiGLUMLP``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"swap_swiglu_mlps takes an nn.Module, got {type(model).__name__}")

@@ -17,6 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .lora import base_of
+
 CheckpointKeys = Literal["separate", "stacked"]
 CHECKPOINT_KEYS = ("separate", "stacked")
 PROJECTIONS = {"separate": ("gate_proj", "up_proj", "down_proj"), "stacked": ("gate_up_proj", "down_proj")}
@@ -70,7 +72,8 @@ def check_swiglu_mlp(mlp: nn.Module) -> CheckpointKeys:
             f"{type(mlp).__name__} has neither gate_proj, up_proj and down_proj nor gate_up_proj and "
             "down_proj nn.Linear children"
         )
-    linears = [getattr(mlp, name) for name in PROJECTIONS[layout]]
+    # PEFT's LoRA layers count as the Linears they wrap (lora.py says what of them is fused).
+    linears = [base_of(getattr(mlp, name)) for name in PROJECTIONS[layout]]
     if not all(isinstance(m, nn.Linear) for m in linears):
         found = ", ".join(
             f"{n}: {type(m).__name__}" for n, m in zip(PROJECTIONS[layout], linears, strict=True)

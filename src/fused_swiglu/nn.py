@@ -24,9 +24,19 @@ from .functional import (
     swiglu_mlp,
 )
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
+from .lora import PackedBase, is_lora_layer, low_rank_term
 from .mlp_layouts import CHECKPOINT_KEYS, CheckpointKeys, check_swiglu_mlp, gate_up_weights, multiplier_of
 
-_GATE, _UP, _PACKED, _STACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj", "gate_up_proj.weight"
+_PACKED, _STACKED = "gate_up_proj", "gate_up_proj.weight"
+
+
+def _base_keys(module) -> tuple[str, str]:
+    """The checkpoint keys of the gate and up weights: PEFT's ``<proj>.base_layer.weight`` where the
+    projection carries a LoRA layer (lora.py), else ``<proj>.weight``."""
+    return tuple(
+        f"{name}.base_layer.weight" if is_lora_layer(getattr(module, name, None)) else f"{name}.weight"
+        for name in ("gate_proj", "up_proj")
+    )
 
 
 def _dtensor():
@@ -63,10 +73,9 @@ def _unpack_state_dict(module, state_dict, prefix, local_metadata) -> None:
     if module.checkpoint_keys == "stacked":
         state_dict[prefix + _STACKED] = _distributed_like(torch.cat((gate, up)), packed)
         return
-    state_dict[prefix + _GATE], state_dict[prefix + _UP] = (
-        _distributed_like(gate, packed),
-        _distributed_like(up, packed),
-    )
+    gate_key, up_key = _base_keys(module)
+    state_dict[prefix + gate_key] = _distributed_like(gate, packed)
+    state_dict[prefix + up_key] = _distributed_like(up, packed)
 
 
 def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
@@ -78,7 +87,7 @@ def _pack_state_dict(module, state_dict, prefix, local_metadata, strict, missing
     if module.checkpoint_keys == "stacked":
         _pack_stacked(module, state_dict, prefix, missing)
         return
-    keys = prefix + _GATE, prefix + _UP
+    keys = tuple(prefix + key for key in _base_keys(module))
     present = [key in state_dict for key in keys]
     missing.extend(key for key, there in zip(keys, present, strict=True) if not there)
     if not any(present):
@@ -129,6 +138,26 @@ def _add_packed_gate_up(
 def _reset_packed_gate_up(weight: nn.Parameter) -> None:
     # nn.Linear's default; every packed row has fan-in hidden_size, as in the two separate Linears.
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor, save: str) -> torch.Tensor:
+    """The fused forward of ``mlp`` (a ``SwiGLUMLP``, or a module the swap is about to replace) with
+    its gate and up weights packed in ``gate_up_weight``: one fused call, or with adapters (lora.py)
+    or a down projection wrapped after the swap, the GLU operator with the gate and up adapters in
+    its GEMM and the down projection run as the module it is, so that nothing it adds is bypassed."""
+    gate_multiplier = multiplier_of(mlp, "gate_multiplier")
+    down_multiplier = multiplier_of(mlp, "down_multiplier")
+    gate, up = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj"))
+    low_rank = low_rank_term(x, gate, up, gate_up_weight.shape[0] // 2)
+    if low_rank is None and type(mlp.down_proj) is nn.Linear:
+        weights = (gate_up_weight, mlp.down_proj.weight)
+        return swiglu_mlp(
+            x, *weights, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier, save=save
+        )
+    linear_save = "recompute" if save == "recompute" else "factors"
+    a = swiglu_linear(x, gate_up_weight, gate_multiplier=gate_multiplier, save=linear_save, low_rank=low_rank)
+    y = mlp.down_proj(a)
+    return y if down_multiplier == 1.0 else y * down_multiplier
 
 
 class SwiGLUMLP(nn.Module):
@@ -195,11 +224,22 @@ class SwiGLUMLP(nn.Module):
         # Built on the meta device and then given memory: no random initialisation that the copy
         # would overwrite anyway (it would cost time and move the caller's random stream).
         new = cls(hidden, inter, device="meta", dtype=weight.dtype, **kwargs).to_empty(device=weight.device)
-        asked, new.checkpoint_keys = new.checkpoint_keys, layout  # loaded in the module's own keys
-        new.load_state_dict(mlp.state_dict())
-        new.checkpoint_keys = asked
-        # Frozen weights stay frozen; one packed parameter cannot hold a frozen and a trainable half.
         gate, up = gate_up_weights(mlp, layout)
+        if any(is_lora_layer(getattr(mlp, name, None)) for name in ("gate_proj", "up_proj", "down_proj")):
+            # PEFT's adapter layers move in; the gate and up base weights are packed (lora.py).
+            with torch.no_grad():
+                new.gate_up_proj.copy_(pack_gate_up(gate, up))
+            new.down_proj = mlp.down_proj
+            for name in ("gate_proj", "up_proj"):
+                layer = getattr(mlp, name)
+                if is_lora_layer(layer):
+                    layer.base_layer = PackedBase(name)
+                    setattr(new, name, layer)
+        else:
+            asked, new.checkpoint_keys = new.checkpoint_keys, layout  # loaded in the module's own keys
+            new.load_state_dict(mlp.state_dict())
+            new.checkpoint_keys = asked
+        # Frozen weights stay frozen; one packed parameter cannot hold a frozen and a trainable half.
         if gate.requires_grad != up.requires_grad:
             raise ValueError("gate_proj and up_proj must both be trainable or both frozen to be packed")
         new.gate_up_proj.requires_grad_(gate.requires_grad)
@@ -207,21 +247,7 @@ class SwiGLUMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.down_proj) is not nn.Linear:
-            # Wrapped after the swap (e.g. a PEFT LoRA layer): run it as a module, so that what it
-            # adds to the projection is computed and trained, not bypassed by reading its weight.
-            save = "recompute" if self.save == "recompute" else "factors"
-            a = swiglu_linear(x, self.gate_up_proj, gate_multiplier=self.gate_multiplier, save=save)
-            y = self.down_proj(a)
-            return y if self.down_multiplier == 1.0 else y * self.down_multiplier
-        return swiglu_mlp(
-            x,
-            self.gate_up_proj,
-            self.down_proj.weight,
-            gate_multiplier=self.gate_multiplier,
-            down_multiplier=self.down_multiplier,
-            save=self.save,
-        )
+        return fused_forward(self, x, self.gate_up_proj, self.save)
 
     def extra_repr(self) -> str:
         parts = [f"hidden_size={self.hidden_size}", f"intermediate_size={self.intermediate_size}"]
