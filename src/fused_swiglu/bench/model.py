@@ -61,6 +61,7 @@ class RunSpec:
     backend: str = "inductor"
     sequence: int = SEQUENCE
     vocab: int = VOCAB
+    lora_rank: int = 0  # > 0: PEFT LoRA of this rank on every linear layer, the base frozen
 
 
 def _config(spec: RunSpec):
@@ -95,6 +96,12 @@ def _build_model(spec: RunSpec):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32  # autocast: fp32 master weights
     model = LlamaForCausalLM(_config(spec)).to(device=spec.device, dtype=dtype)
+    if spec.lora_rank:
+        import peft
+
+        # Adapters first: the swap fuses adapted MLPs with their adapters (lora.py).
+        config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=2 * spec.lora_rank, target_modules="all-linear")
+        model = peft.get_peft_model(model, config)
     if kind == "fused":
         from ..integrations import swap_swiglu_mlps
 
@@ -204,12 +211,13 @@ def _summary(results: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["hidden"], r["intermediate"], r["layers"], r["tokens"], r["precision"], r["variant"])
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(key + (r.get("lora_rank", 0),), []).append(r)
     rows = []
-    for (hidden, inter, layers, tokens, precision, variant), runs in groups.items():
+    for (hidden, inter, layers, tokens, precision, variant, lora_rank), runs in groups.items():
         ok = [r for r in runs if "error" not in r]
         row = {
-            "size": f"{hidden}/{inter} x {layers}, {tokens} tokens",
+            "size": f"{hidden}/{inter} x {layers}, {tokens} tokens"
+            + (f", LoRA r={lora_rank}" if lora_rank else ""),
             "precision": precision,
             "variant": variant,
             "runs": len(ok),
@@ -311,6 +319,7 @@ def run_model_bench(
     device: str = "cuda",
     backend: str = "inductor",
     timeout: float | None = None,
+    lora_rank: int = 0,
     log=print,
 ) -> tuple[list[dict], list[dict]]:
     """Every (size, precision, variant) ``reps`` times, each in a fresh process, the order of the
@@ -331,6 +340,7 @@ def run_model_bench(
                         steps,
                         device=device,
                         backend=backend,
+                        lora_rank=lora_rank,
                     )
                     r = run_in_fresh_process(spec, timeout=timeout)
                     results.append(r)

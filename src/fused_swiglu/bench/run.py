@@ -152,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "autocast (on CPU the interpreter's bf16 dot is wrong, so bf16 calls take the reference there)",
     )
     model.add_argument("--steps", type=int, default=20, help="training steps per timing window")
+    model.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="fine-tune with PEFT LoRA of rank R on every linear layer (base frozen; fused: PEFT, then swap)",
+    )
     model.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (Triton interpreter)")
     model.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variants")
     model.add_argument("--timeout", type=float, default=1200, help="seconds one variant's process may take")
@@ -337,6 +344,7 @@ def run_model(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         timeout=args.timeout,
+        lora_rank=args.lora_rank,
         log=lambda line: print(line, flush=True),
     )
     print(model_table(rows), flush=True)
