@@ -120,9 +120,12 @@ def family_rows() -> list[dict]:
         return [family_row(t) for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], gated_only: bool = False) -> str:
+    """The table; ``gated_only``: only the families that built and have a gated MLP class."""
     lines = ["| family | MLP modules fused (tiny model) | MLP classes: outcome |", "|---|---|---|"]
     for r in rows:
+        if gated_only and not (r["built"] and r["mlps"]):
+            continue
         if not r["built"]:
             lines.append(f"| {r['family']} | - | no tiny config built ({r['why']}) |")
             continue
@@ -132,7 +135,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
+    import sys
+
     import transformers
 
     print(f"transformers {transformers.__version__}\n")
-    print(markdown(family_rows()))
+    print(markdown(family_rows(), gated_only="--gated" in sys.argv[1:]))
