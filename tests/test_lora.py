@@ -120,3 +120,15 @@ def test_compiled_fused_adapters_match_eager(device):
     assert relative_error(logits, eager_logits) < 1e-6
     for name, grad in grads.items():
         assert relative_error(grad, eager_grads[name.removeprefix("_orig_mod.")]) < 1e-5, name
+
+
+def test_peft_after_the_swap_says_that_gate_and_up_got_no_adapter(device, caplog):
+    model = tiny_llama(device)
+    swap_swiglu_mlps(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0)).to(device)
+    with caplog.at_level("WARNING", logger="fused_swiglu"):
+        model(input_ids=ids)
+        model(input_ids=ids)
+    said = [r for r in caplog.records if "PEFT was applied after the swap" in r.getMessage()]
+    assert len(said) == 2  # once per MLP module, not once per call

@@ -9,6 +9,7 @@ the state-dict hooks.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 
@@ -140,6 +141,17 @@ def _reset_packed_gate_up(weight: nn.Parameter) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def _warn_adapters_after_swap(mlp: nn.Module) -> None:
+    """PEFT applied after the swap adapts ``down_proj`` only (gate and up are packed): said once."""
+    if not getattr(mlp, "_warned_adapters_after_swap", False) and getattr(mlp, "gate_proj", None) is None:
+        mlp._warned_adapters_after_swap = True
+        logging.getLogger("fused_swiglu").warning(
+            "fused_swiglu: this fused MLP has a LoRA adapter on down_proj but none on gate and up: PEFT "
+            "was applied after the swap, where gate_proj and up_proj are packed and cannot be targeted. "
+            "Apply PEFT first, then swap_swiglu_mlps, to adapt them."
+        )
+
+
 def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor, save: str) -> torch.Tensor:
     """The fused forward of ``mlp`` (a ``SwiGLUMLP``, or a module the swap is about to replace) with
     its gate and up weights packed in ``gate_up_weight``: one fused call, or with adapters (lora.py)
@@ -154,6 +166,8 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor,
         return swiglu_mlp(
             x, *weights, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier, save=save
         )
+    if low_rank is None and is_lora_layer(mlp.down_proj) and not torch.compiler.is_compiling():
+        _warn_adapters_after_swap(mlp)
     linear_save = "recompute" if save == "recompute" else "factors"
     a = swiglu_linear(x, gate_up_weight, gate_multiplier=gate_multiplier, save=linear_save, low_rank=low_rank)
     y = mlp.down_proj(a)
