@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from fused_swiglu import swiglu_linear
-from fused_swiglu.kernels.configs import LOW_RANK_IN_KERNEL
+from fused_swiglu.kernels.common import Saved
+from fused_swiglu.kernels.configs import (
+    LOW_RANK_IN_KERNEL,
+    fit_low_rank,
+    forward_config,
+    forward_shared_memory,
+)
 from fused_swiglu.reference import reference_swiglu_packed
 from fused_swiglu.testing import accuracy_rows
 
@@ -110,3 +116,23 @@ def test_low_rank_compiles_to_one_graph(device):
     eager, traced = _step(fused, p), _step(compiled, p)
     for name in eager:
         assert torch.allclose(traced[name], eager[name], rtol=1e-6, atol=1e-6), name
+
+
+#: Shared memory one program may use on Hopper (sm_90, opt-in).
+HOPPER_SHARED_MEMORY = 232448
+
+
+@pytest.mark.parametrize("m", [16, 4096])
+@pytest.mark.parametrize("save", [Saved.NOTHING, Saved.FACTORS, Saved.PREACT])
+@pytest.mark.parametrize("rank", [16, 32, 48, LOW_RANK_IN_KERNEL])
+def test_low_rank_tiles_fit_in_shared_memory(m, save, rank):
+    # Every GPU tile the forward kernel may run with a term it takes keeps its buffers within the
+    # limit, losing pipeline stages only where the term's buffers do not fit beside them.
+    cfg = forward_config(m, 4096, 14336, torch.bfloat16, True, save, "ieee")
+    fitted = fit_low_rank(cfg, 2, rank, save, True, HOPPER_SHARED_MEMORY)
+    assert forward_shared_memory(fitted, 2, rank, save, True) < HOPPER_SHARED_MEMORY
+    assert 2 <= fitted.num_stages <= cfg.num_stages
+    if forward_shared_memory(cfg, 2, rank, save, True) + 1024 <= HOPPER_SHARED_MEMORY:
+        assert fitted == cfg
+    else:
+        assert fitted.num_stages < cfg.num_stages

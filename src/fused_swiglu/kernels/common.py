@@ -79,6 +79,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _shared_memory_limit(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device`` (the opt-in maximum)."""
+    return _shared_memory_limit(device.index if device.index is not None else 0)
+
+
 def persistent_programs(num_tiles: int, device: torch.device, per_sm: int = 1) -> int:
     """``per_sm`` programs per multiprocessor, never more than there are tiles."""
     if device.type == "cuda":

@@ -9,7 +9,7 @@ and tile was measured: docs/design/kernel-choice.md.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -89,6 +89,33 @@ LOW_RANK_IN_KERNEL = 64
 def low_rank_in_kernel(low_rank) -> bool:
     """Whether the forward kernel takes this ``(u, v)`` low-rank term (``None``: no term, trivially)."""
     return low_rank is None or low_rank[0].shape[1] <= LOW_RANK_IN_KERNEL
+
+
+def forward_shared_memory(cfg: TileConfig, itemsize: int, rank: int, save: Saved, write_a: bool) -> int:
+    """Bytes of shared memory the forward kernel allocates: the pipeline stages, the low-rank
+    operands (loaded once per tile, after the K loop, in buffers of their own) and the epilogue's
+    staging pieces."""
+    stages = cfg.num_stages * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k
+    low_rank = rank * (cfg.block_m + 2 * cfg.block_n)
+    piece = cfg.block_m * 2 * cfg.block_n // cfg.epilogue_split  # packed columns of one piece
+    epilogue = (piece // 2 if write_a else 0) + (piece if save != Saved.NOTHING else 0)
+    return (stages + low_rank + epilogue) * itemsize
+
+
+def fit_low_rank(
+    cfg: TileConfig, itemsize: int, rank: int, save: Saved, write_a: bool, limit: int
+) -> TileConfig:
+    """``cfg`` with as many pipeline stages as still fit beside a rank-``rank`` low-rank term's buffers
+    in ``limit`` bytes (a wide term, e.g. LoRA rank 32 on gate and up, costs the training tile a stage)."""
+    margin = 1024  # barriers and alignment
+    stages = cfg.num_stages
+    while (
+        stages > 1
+        and forward_shared_memory(replace(cfg, num_stages=stages), itemsize, rank, save, write_a) + margin
+        > limit
+    ):
+        stages -= 1
+    return replace(cfg, num_stages=stages)
 
 
 def _warp_specialized_runs(m: int, dtype: torch.dtype, on_gpu: bool) -> bool:

@@ -32,12 +32,13 @@ from .common import (
     interpreting,
     pack_columns,
     persistent_programs,
+    shared_memory_limit,
     silu_and_slope,
     split_halves,
     tile_coords,
     unpack_columns,
 )
-from .configs import TileConfig, forward_config
+from .configs import TileConfig, fit_low_rank, forward_config
 from .launch import KernelLauncher, Tma
 
 
@@ -161,6 +162,9 @@ def glu_forward(
     inter = w_packed.shape[0] // 2
     precision = dot_precision(x.dtype)
     cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save, precision)
+    if low_rank is not None and config is None and not interpreting():
+        limit = shared_memory_limit(x.device)
+        cfg = fit_low_rank(cfg, x.dtype.itemsize, low_rank[0].shape[1], save, write_a, limit)
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
