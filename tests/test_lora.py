@@ -115,6 +115,9 @@ def test_compiled_fused_adapters_match_eager(device):
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0)).to(device)
     eager_logits, eager_grads = step(fused, ids)
     torch._dynamo.reset()
+    explained = torch._dynamo.explain(fused)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
     compiled = torch.compile(fused, backend="aot_eager")
     logits, grads = step(compiled, ids)
     assert relative_error(logits, eager_logits) < 1e-6

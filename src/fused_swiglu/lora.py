@@ -60,15 +60,16 @@ def _active(layer: nn.Module | None) -> list[str]:
 def low_rank_term(x: torch.Tensor, gate: nn.Module | None, up: nn.Module | None, inter: int):
     """``(u, v)`` of the active adapters of the gate and up layers (``None`` where there are none)."""
     columns, gate_rows, up_rows = [], [], []
-    for layer, own in ((gate, gate_rows), (up, up_rows)):
+    for is_gate, layer in ((True, gate), (False, up)):
         for name in _active(layer):
             a, b = layer.lora_A[name], layer.lora_B[name]
             # PEFT casts the adapter's input to the adapter's dtype; the sum is in x's dtype.
             u = a(layer.lora_dropout[name](x.to(a.weight.dtype))) * layer.scaling[name]
             columns.append(u.to(x.dtype))
             weight = b.weight.to(x.dtype)
-            own.append(weight)
-            (up_rows if own is gate_rows else gate_rows).append(weight.new_zeros(inter, weight.shape[1]))
+            zeros = weight.new_zeros(inter, weight.shape[1])  # the other projection's rows of this block
+            gate_rows.append(weight if is_gate else zeros)
+            up_rows.append(zeros if is_gate else weight)
     if not columns:
         return None
     return torch.cat(columns, dim=-1), pack_gate_up(torch.cat(gate_rows, dim=1), torch.cat(up_rows, dim=1))
