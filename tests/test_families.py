@@ -42,6 +42,26 @@ def test_dense_swiglu_families_are_fused(rows, family, mlp):
 
 
 @pytest.mark.parametrize(
+    "family, experts",
+    [
+        ("mixtral", "MixtralExperts"),
+        ("qwen2_moe", "Qwen2MoeExperts"),
+        ("qwen3_moe", "Qwen3MoeExperts"),
+        ("deepseek_v3", "DeepseekV3Experts"),
+        ("olmoe", "OlmoeExperts"),
+        ("glm4_moe", "Glm4MoeExperts"),
+    ],
+)
+def test_routed_experts_of_the_standard_layout_are_fused(rows, family, experts):
+    assert rows[family]["mlps"][experts] == "fused"
+
+
+def test_experts_with_a_gate_of_their_own_are_left_alone(rows):
+    assert "_apply_gate" in rows["deepseek_v4"]["mlps"]["DeepseekV4Experts"]
+    assert "router_indices" in rows["gpt_oss"]["mlps"]["GptOssExperts"]
+
+
+@pytest.mark.parametrize(
     "family, mlp, why",
     [
         ("gemma", "GemmaMLP", "GELUTanh"),

@@ -1,5 +1,6 @@
 """fused-swiglu: Triton kernels for the SwiGLU MLP of LLaMA/Mistral/Qwen-class models."""
 
+from .experts import SwiGLUExperts, swiglu_experts
 from .functional import fused_path_available, swiglu_linear, swiglu_mlp
 from .integrations import swap_swiglu_mlps
 from .layout import CHUNK, pack_gate_up, unpack_gate_up
@@ -8,6 +9,7 @@ from .reference import reference_swiglu, reference_swiglu_mlp
 
 __all__ = [
     "CHUNK",
+    "SwiGLUExperts",
     "SwiGLULinear",
     "SwiGLUMLP",
     "fused_path_available",
@@ -16,6 +18,7 @@ __all__ = [
     "reference_swiglu_mlp",
     "swiglu_linear",
     "swap_swiglu_mlps",
+    "swiglu_experts",
     "swiglu_mlp",
     "unpack_gate_up",
 ]

@@ -1,7 +1,7 @@
 """What ``swap_swiglu_mlps`` does for every causal-LM family of the installed transformers: each family's
 model is built from a tiny config on the meta device (no memory, no download) and swapped; every MLP
-class found is then materialised alone with random weights and swapped with the forward check, so
-that "fused" means the fused module computes what the family's MLP computes.
+and routed-experts class found is then materialised alone with random weights and swapped with the
+forward check, so that "fused" means the fused module computes what the family's module computes.
 
 ``python -m fused_swiglu.families`` prints the table (Markdown); ``tests/test_families.py`` holds the
 table of the tested transformers release to the same results.
@@ -15,7 +15,8 @@ import warnings
 import torch
 from torch import nn
 
-from .integrations import _has_projections, _mismatch, swap_swiglu_mlps
+from .experts_swap import experts_mismatch, has_expert_weights
+from .integrations import _is_candidate, _mismatch, swap_swiglu_mlps
 
 #: Small sizes, set where a family's config has the attribute.
 TINY = {
@@ -33,6 +34,7 @@ TINY = {
     "num_local_experts": 4,
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,  # DeepSeek: the second layer routed
     "max_position_embeddings": 64,
 }
 
@@ -91,15 +93,19 @@ def _checked(mlp: nn.Module) -> str:
     return "fused" if report else f"left alone: {report.skipped['mlp']}"
 
 
+def _structural_mismatch(module: nn.Module) -> str | None:
+    return experts_mismatch(module) if has_expert_weights(module) else _mismatch(module)
+
+
 def family_row(model_type: str) -> dict:
     """One family: how many modules the swap fuses in its tiny model, and per MLP class the outcome."""
     try:
         model = _tiny_model(model_type)
     except Exception as error:  # noqa: BLE001 - a config that does not build small is reported, not raised
         return {"family": model_type, "built": False, "why": f"{type(error).__name__}"}
-    classes = {type(m).__name__: m for m in model.modules() if _has_projections(m)}
+    classes = {type(m).__name__: m for m in model.modules() if _is_candidate(m)}
     # What a swap of weights not yet materialised (nothing to compare) takes by structure alone.
-    unchecked = sorted(name for name, m in classes.items() if _mismatch(m) is None)
+    unchecked = sorted(name for name, m in classes.items() if _structural_mismatch(m) is None)
     outcomes = {name: _checked(m) for name, m in classes.items()}
     swapped = swap_swiglu_mlps(model, check=False)
     return {

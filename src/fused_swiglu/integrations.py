@@ -11,6 +11,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .experts import SwiGLUExperts
+from .experts_ops import EXPERTS_SAVE_MODES
+from .experts_swap import experts_forward_differs, experts_mismatch, has_expert_weights
 from .functional import DEFAULT_SAVE, SaveMode, check_save_mode
 from .layout import CHUNK, pack_gate_up
 from .lora import base_of, is_lora_layer
@@ -130,17 +133,51 @@ def _forward_differs(module: nn.Module) -> str | None:
     return f"its forward differs from SwiGLU (relative difference {error:.2e})"
 
 
+def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights the fused module takes over, by name."""
+    if has_expert_weights(module):
+        return {name: getattr(module, name) for name in ("gate_up_proj", "down_proj")}
+    return {f"{p}.weight": getattr(module, p).weight for p in PROJECTIONS[layout_of(module)]}
+
+
 def _tied_outside(model: nn.Module, names: list[str], module: nn.Module) -> str | None:
     """Why packing would untie a weight the module shares with a parameter elsewhere, or None."""
     owners = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)].append(name)
     prefixes = tuple(f"{n}." for n in names)
-    for projection in PROJECTIONS[layout_of(module)]:
-        others = [n for n in owners[id(getattr(module, projection).weight)] if not n.startswith(prefixes)]
+    for weight_name, weight in _weights(module).items():
+        others = [n for n in owners[id(weight)] if not n.startswith(prefixes)]
         if others:
-            return f"{projection}.weight is tied to {others[0]}, and packing would untie it"
+            return f"{weight_name} is tied to {others[0]}, and packing would untie it"
     return None
+
+
+def _is_candidate(module: nn.Module) -> bool:
+    return _has_projections(module) or has_expert_weights(module)
+
+
+def _judge(
+    module: nn.Module, model: nn.Module, names: list[str], check: bool, on_mismatch: str
+) -> str | None:
+    """Why a candidate is left alone, or None; raises for a forward that differs with ``"raise"``."""
+    experts = has_expert_weights(module)
+    why = (experts_mismatch(module) if experts else _mismatch(module)) or _tied_outside(model, names, module)
+    if why is None and check:
+        why = experts_forward_differs(module) if experts else _forward_differs(module)
+        if why is not None and on_mismatch == "raise":
+            pattern = "routed SwiGLU experts" if experts else "LlamaMLP"
+            raise ValueError(
+                f"fused_swiglu: {names[0]} ({type(module).__name__}) matches the {pattern} pattern but "
+                f"{why}; nothing was swapped (on_mismatch='skip' leaves it alone and swaps the rest)"
+            )
+    return why
+
+
+def _fused(module: nn.Module, save: str) -> nn.Module:
+    if has_expert_weights(module):
+        return SwiGLUExperts.from_experts(module, save=save if save in EXPERTS_SAVE_MODES else "factors")
+    return SwiGLUMLP.from_mlp(module, save=save)
 
 
 def swap_swiglu_mlps(
@@ -166,6 +203,11 @@ def swap_swiglu_mlps(
     swapped, or with ``on_mismatch="skip"`` is left alone and reported. Modules on the meta device
     (weights not materialised yet) cannot be compared and are swapped as built. ``save`` goes to every
     ``SwiGLUMLP``.
+
+    Routed experts in transformers' standard layout (experts_swap.py: Mixtral, Qwen2/3-MoE,
+    DeepSeek-V3, OLMoE, ...) become ``SwiGLUExperts`` with the same weights and checkpoint layout, their
+    router left as it is; with ``save="preact"`` they keep the factors (the experts have no
+    pre-activation mode).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"swap_swiglu_mlps takes an nn.Module, got {type(model).__name__}")
@@ -175,7 +217,7 @@ def swap_swiglu_mlps(
     places: dict[int, list[str]] = defaultdict(list)
     modules: dict[int, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        if _has_projections(module):
+        if _is_candidate(module):
             places[id(module)].append(name)
             modules[id(module)] = module
     if any(not name for names in places.values() for name in names):
@@ -184,20 +226,13 @@ def swap_swiglu_mlps(
     chosen = []
     for key, module in modules.items():
         names = places[key]
-        why = _mismatch(module) or _tied_outside(model, names, module)
-        if why is None and check:
-            why = _forward_differs(module)
-            if why is not None and on_mismatch == "raise":
-                raise ValueError(
-                    f"fused_swiglu: {names[0]} ({type(module).__name__}) matches the LlamaMLP pattern but "
-                    f"{why}; nothing was swapped (on_mismatch='skip' leaves it alone and swaps the rest)"
-                )
+        why = _judge(module, model, names, check, on_mismatch)
         if why is None:
             chosen.append(key)
         else:
             skipped.update(dict.fromkeys(names, why))
     for key in chosen:
-        fused = SwiGLUMLP.from_mlp(modules[key], save=save)
+        fused = _fused(modules[key], save)
         for name in places[key]:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, fused)
@@ -211,11 +246,13 @@ def swap_swiglu_mlps(
 
 
 def _log(swapped: list[str], skipped: dict[str, str], save: str) -> None:
-    line = f"fused_swiglu: swapped {len(swapped)} SwiGLU MLP(s) (save={save!r})"
+    line = f"fused_swiglu: swapped {len(swapped)} SwiGLU MLP(s) and routed expert module(s) (save={save!r})"
     if skipped:
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         _LOG.warning(f"{line}; left {len(skipped)} alone: {reasons}")
     elif not swapped:
-        _LOG.warning(f"{line}: no module with gate, up and down projection Linears was found")
+        _LOG.warning(
+            f"{line}: no module with gate, up and down projection Linears or routed expert weights was found"
+        )
     else:
         _LOG.info(line)

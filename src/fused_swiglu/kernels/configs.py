@@ -15,7 +15,7 @@ import torch
 
 from ..layout import CHUNK
 from . import hopper_ws
-from .common import Saved
+from .common import Saved, interpreting
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,11 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind:
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
 # tiles, ragged edges and several persistent-loop iterations.
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
+#: Routed experts: each expert's rows start on a block of this many rows, so that every forward tile
+#: belongs to one expert (a multiple of every forward tile's rows).
+EXPERT_ROWS = 128 if not interpreting() else INTERPRETER_CONFIG.block_m
 
 
 @functools.lru_cache(maxsize=256)

@@ -13,6 +13,11 @@ accumulator in registers and writes
 With a low-rank term (LoRA adapters on gate and up), one more ``tl.dot`` per tile adds
 ``u @ v^T`` (``u`` [M, R], ``v`` [2I, R] packed like the weight) to the accumulator before the epilogue.
 
+Routed experts (``tile_experts`` given): x holds the rows of every expert, each expert's rows a run of
+whole ``EXPERT_ROWS`` blocks; ``tile_experts[b]`` is the expert of row block ``b``, and the weight holds
+every expert's packed rows one after another ([E * 2I, H]). Only the first ``used_rows[0]`` rows are
+computed (the rest of x is spare room, its size fixed before the routing is known).
+
 The [M, 2I] pre-activation never reaches memory unless it is what is saved.
 """
 
@@ -38,7 +43,7 @@ from .common import (
     tile_coords,
     unpack_columns,
 )
-from .configs import TileConfig, fit_low_rank, forward_config
+from .configs import EXPERT_ROWS, TileConfig, fit_low_rank, forward_config
 from .launch import KernelLauncher, Tma
 
 
@@ -76,6 +81,8 @@ def _glu_forward_kernel(
     s_desc,  # [M, 2N] packed, or None
     u_desc,  # [M, R] low-rank input, or None
     v_desc,  # [2N, R] packed low-rank weight, or None
+    e_ptr,  # [M / ROWS] int32 expert of each row block, or None (one weight)
+    used_ptr,  # [1] int32 rows in use (with e_ptr)
     M,
     N,
     K,
@@ -90,7 +97,10 @@ def _glu_forward_kernel(
     FLATTEN: tl.constexpr,
     CHUNK_: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per expert block (with e_ptr)
 ):
+    if e_ptr is not None:
+        M = tl.load(used_ptr)  # the tiles past the routed rows are not run
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     num_k = tl.cdiv(K, BK)
@@ -98,10 +108,13 @@ def _glu_forward_kernel(
         i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
         o_m = i_m * BM
         o_n = i_n * BN
+        o_w = 2 * o_n  # the tile's first packed weight row
+        if e_ptr is not None:
+            o_w += tl.load(e_ptr + o_m // ROWS) * 2 * N
         b_acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         for i_k in range(num_k):
             b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
-            b_w = w_desc.load([2 * o_n, i_k * BK])  # [2BN, BK]
+            b_w = w_desc.load([o_w, i_k * BK])  # [2BN, BK]
             b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
         if u_desc is not None:
             b_u = u_desc.load([o_m, 0])  # [BM, R]
@@ -148,10 +161,13 @@ def glu_forward(
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TileConfig | None = None,
     caller_key=None,
+    experts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable, as
     must ``low_rank`` = (u [M, R], v [2I, R]) if given (R a multiple of 16): ``u @ v^T`` is added to
-    the pre-activation.
+    the pre-activation. With ``experts`` = (tile_experts, used_rows, E), ``w_packed`` is [E, 2I, H]
+    (contiguous) and rows are routed as the module docstring says (the tile's rows must divide
+    ``EXPERT_ROWS``).
 
     Returns ``a`` [M, I] (scaled by ``out_scale``; ``None`` with ``write_a=False``, for a backward that
     only needs the factors) and the saved packed [M, 2I] tensor (or ``None``).
@@ -159,12 +175,18 @@ def glu_forward(
     if not write_a and save == Saved.NOTHING:
         raise ValueError("the forward kernel must write a, the saved tensor, or both")
     m, hidden = x.shape
-    inter = w_packed.shape[0] // 2
+    if experts is not None:
+        w_packed = w_packed.flatten(0, 1)  # [E, 2I, H] -> [E * 2I, H]: each expert's rows in turn
+    inter = w_packed.shape[0] // 2 if experts is None else w_packed.shape[0] // (2 * experts[2])
     precision = dot_precision(x.dtype)
     cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save, precision)
     if low_rank is not None and config is None and not interpreting():
         limit = shared_memory_limit(x.device)
         cfg = fit_low_rank(cfg, x.dtype.itemsize, low_rank[0].shape[1], save, write_a, limit)
+    if experts is not None and EXPERT_ROWS % cfg.block_m:
+        raise ValueError(
+            f"expert row blocks of {EXPERT_ROWS} rows need a tile of rows dividing it, not {cfg.block_m}"
+        )
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
@@ -177,6 +199,8 @@ def glu_forward(
         None if saved is None else Tma(saved, (cfg.block_m, 2 * width)),
         None if low_rank is None else Tma(low_rank[0], (cfg.block_m, low_rank[0].shape[1])),
         None if low_rank is None else Tma(low_rank[1], (2 * cfg.block_n, low_rank[1].shape[1])),
+        None if experts is None else experts[0],
+        None if experts is None else experts[1],
         m,
         inter,
         hidden,
@@ -185,6 +209,7 @@ def glu_forward(
         SAVE=int(save),
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,
+        ROWS=EXPERT_ROWS,
         **cfg.kernel_meta(),
         caller_key=caller_key,
     )

@@ -1,0 +1,257 @@
+"""Routed experts whose experts are SwiGLU MLPs (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...), fused:
+
+    y[t] = sum_j  w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),   e = index[t, j]
+
+Each token's slots are grouped by expert (routing.py); the gate/up projections of every expert run as
+one fused kernel with the SwiGLU in its epilogue (experts_ops.py), the down projections as one grouped
+GEMM; the routing weights scale ``a`` on its way into the down GEMM, and their gradient is the row sum
+of ``a`` times its gradient. What is kept per routed slot between forward and backward: the factors
+and ``a`` (3I, ``save="factors"``) or ``a`` alone (I, ``save="recompute"``, which reruns the gate/up
+kernel in the backward).
+
+Weights: ``gate_up_weight`` [E, 2I, H], each expert's rows packed as the dense MLP's (layout.py), and
+``down_weight`` [E, H, I]. ``SwiGLUExperts`` holds them and reads and writes the checkpoint layout of
+transformers' expert modules (``gate_up_proj`` [E, 2I, H] as ``[gate; up]``, ``down_proj`` [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .autograd import _refuse_double_backward, _saved_tensors
+from .experts_ops import (
+    EXPERTS_SAVE_MODES,
+    experts_glu_backward,
+    experts_glu_forward,
+    experts_glu_inference,
+    grouped_mm,
+)
+from .functional import _autocast, check_save_mode
+from .layout import CHUNK, check_intermediate_size
+from .routing import Routes, route
+from .support import fused_path_available
+
+__all__ = ["SwiGLUExperts", "reference_swiglu_experts", "swiglu_experts"]
+
+
+class ExpertsGLUFunction(torch.autograd.Function):
+    """``a`` [P, I] of the grouped rows ``x_rows`` [P, H]: each row's expert's SwiGLU gate/up half."""
+
+    @staticmethod
+    def forward(ctx, x_rows, gate_up_weight, tile_experts, used_rows, ends, save: str):
+        a, kept = experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save)
+        ctx.save_for_backward(x_rows, gate_up_weight, kept, tile_experts, used_rows, ends)
+        ctx.save = save
+        return a
+
+    @staticmethod
+    def backward(ctx, da):
+        _refuse_double_backward()
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dx, dw = experts_glu_backward(da, *_saved_tensors(ctx), ctx.save, need_dx, need_dw)
+        return dx if need_dx else None, dw if need_dw else None, None, None, None, None
+
+
+class WeightedDownFunction(torch.autograd.Function):
+    """``(a * w) @ down[e]^T`` per grouped row, keeping ``a`` and ``w`` rather than their product."""
+
+    @staticmethod
+    def forward(ctx, a, weights, down_weight, ends):
+        ctx.save_for_backward(a, weights, down_weight, ends)
+        return grouped_mm(a * weights[:, None], down_weight.transpose(1, 2), ends)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, weights, down_weight, ends = ctx.saved_tensors
+        need_da, need_dw, need_ddown = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()
+        da_w = grouped_mm(dy, down_weight, ends)  # the gradient of a * w
+        ddown = grouped_mm(dy.t(), a * weights[:, None], ends) if need_ddown else None
+        dw = torch.linalg.vecdot(da_w.float(), a.float()).to(weights.dtype) if need_dw else None
+        da = da_w * weights[:, None] if need_da else None
+        return da, dw, ddown, None
+
+
+def _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> None:
+    named = {"x": x, "top_k_index": top_k_index, "top_k_weights": top_k_weights}
+    named |= {"gate_up_weight": gate_up_weight, "down_weight": down_weight}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if len({t.device for t in named.values()}) > 1:
+        raise ValueError(
+            "x, the routing and the weights must be on one device, got "
+            + ", ".join(f"{n} on {t.device}" for n, t in named.items())
+        )
+    if x.dim() != 2 or gate_up_weight.dim() != 3 or down_weight.dim() != 3:
+        raise ValueError(
+            "expected x [tokens, hidden], gate_up_weight [experts, 2 * intermediate, hidden] and "
+            f"down_weight [experts, hidden, intermediate]; got {tuple(x.shape)}, "
+            f"{tuple(gate_up_weight.shape)} and {tuple(down_weight.shape)}"
+        )
+    experts, two_inter, hidden = gate_up_weight.shape
+    if two_inter % 2 or down_weight.shape != (experts, hidden, two_inter // 2) or x.shape[1] != hidden:
+        raise ValueError(
+            f"x {tuple(x.shape)}, gate_up_weight {tuple(gate_up_weight.shape)} and down_weight "
+            f"{tuple(down_weight.shape)} do not fit [T, H], [E, 2I, H] and [E, H, I]"
+        )
+    check_intermediate_size(two_inter // 2)
+    if (
+        top_k_index.dim() != 2
+        or top_k_index.shape[0] != x.shape[0]
+        or top_k_weights.shape != top_k_index.shape
+    ):
+        raise ValueError(
+            f"top_k_index and top_k_weights must both be [tokens, k] with x's {x.shape[0]} tokens, got "
+            f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+        )
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"top_k_index must hold int32 or int64 expert ids, got {top_k_index.dtype}")
+    if not x.dtype.is_floating_point or {gate_up_weight.dtype, down_weight.dtype} != {x.dtype}:
+        raise TypeError(
+            f"x and the weights must share a floating-point dtype, got x {x.dtype}, gate_up_weight "
+            f"{gate_up_weight.dtype}, down_weight {down_weight.dtype}"
+        )
+
+
+def swiglu_experts(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    *,
+    save: str = "factors",
+) -> torch.Tensor:
+    """Routed SwiGLU experts: ``x`` [T, H], ``top_k_index`` [T, k] expert ids in ``[0, E)``,
+    ``top_k_weights`` [T, k], ``gate_up_weight`` [E, 2I, H] packed per expert, ``down_weight``
+    [E, H, I] -> [T, H] in x's dtype (module docstring). ``save``: ``"factors"`` or ``"recompute"``.
+
+    Where the fused kernels do not run (support.py: e.g. bf16 on CPU, GPUs other than Hopper), the
+    PyTorch reference computes the same function. Under ``torch.autocast``, x and the weights are
+    cast to the autocast dtype first, like a matmul's inputs."""
+    check_save_mode(save, EXPERTS_SAVE_MODES)
+    x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
+    _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
+    num_experts = gate_up_weight.shape[0]
+    if x.shape[0] == 0 or not fused_path_available(x, gate_up_weight[0]):
+        return reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
+    routes = route(top_k_index, num_experts)
+    slots = routes.rows.numel()
+    tokens = torch.cat((x, x.new_zeros(1, x.shape[1])))  # padding rows read the zero row
+    x_rows = tokens[torch.where(routes.sources < slots, routes.sources // top_k_index.shape[1], x.shape[0])]
+    weights = torch.cat((top_k_weights.reshape(-1).to(x.dtype), x.new_zeros(1)))[routes.sources]
+    a = _glu(x_rows, gate_up_weight, routes, save)
+    y_rows = WeightedDownFunction.apply(a, weights, down_weight, routes.ends)
+    return y_rows[routes.rows].view(*top_k_index.shape, -1).sum(1)
+
+
+def _glu(x_rows, gate_up_weight, routes: Routes, save: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x_rows.requires_grad or gate_up_weight.requires_grad):
+        args = (routes.tile_experts, routes.used_rows, routes.ends)
+        return ExpertsGLUFunction.apply(x_rows, gate_up_weight, *args, save)
+    return experts_glu_inference(x_rows, gate_up_weight, routes.tile_experts, routes.used_rows)
+
+
+def reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> torch.Tensor:
+    """The same function in plain PyTorch, expert by expert (it waits for the GPU to learn which
+    experts were chosen); ``gate_up_weight`` packed as ``swiglu_experts`` takes it."""
+    out = torch.zeros_like(x)
+    inter = down_weight.shape[2]
+    for expert in torch.unique(top_k_index).tolist():
+        token, choice = torch.where(top_k_index == expert)
+        packed = gate_up_weight[expert] @ x[token].t()  # [2I, n]
+        up, gate = packed.view(inter // CHUNK, 2, CHUNK, -1).unbind(1)
+        a = (torch.nn.functional.silu(gate) * up).reshape(inter, -1).t()
+        y = (a * top_k_weights[token, choice, None].to(x.dtype)) @ down_weight[expert].t()
+        out = out.index_add(0, token, y)
+    return out
+
+
+def pack_experts(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """transformers' [E, 2I, H] ``[gate; up]`` expert weight -> the packed [E, 2I, H] (a new tensor)."""
+    experts, two_inter, hidden = gate_up_proj.shape
+    gate, up = gate_up_proj.view(experts, 2, two_inter // (2 * CHUNK), CHUNK, hidden).unbind(1)
+    return torch.stack((up, gate), dim=2).reshape(experts, two_inter, hidden)
+
+
+def unpack_experts(packed: torch.Tensor) -> torch.Tensor:
+    """The packed [E, 2I, H] weight -> transformers' ``[gate; up]`` layout (a new tensor)."""
+    experts, two_inter, hidden = packed.shape
+    up, gate = packed.view(experts, two_inter // (2 * CHUNK), 2, CHUNK, hidden).unbind(2)
+    return torch.stack((gate, up), dim=1).reshape(experts, two_inter, hidden)
+
+
+class SwiGLUExperts(nn.Module):
+    """The routed experts of a mixture-of-experts layer, fused: ``forward(hidden_states [T, H],
+    top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, the call of transformers' expert modules.
+
+    Parameters ``gate_up_proj`` [E, 2I, H] (packed per expert) and ``down_proj`` [E, H, I]; the
+    state dict holds ``gate_up_proj`` in transformers' ``[gate; up]`` layout, so checkpoints load and
+    save with the stock model's keys and layout."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        save="factors",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_intermediate_size(intermediate_size)
+        self.save = check_save_mode(save, EXPERTS_SAVE_MODES)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, intermediate_size
+        factory = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self._register_state_dict_hook(_state_dict_in_stock_layout)
+        self._register_load_state_dict_pre_hook(_load_stock_layout)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, *, save: str = "factors") -> SwiGLUExperts:
+        """The fused module of transformers' expert module ``experts``, sharing nothing with it."""
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        fused = cls(
+            gate_up.shape[0],
+            gate_up.shape[2],
+            gate_up.shape[1] // 2,
+            save=save,
+            device=gate_up.device,
+            dtype=gate_up.dtype,
+        )
+        with torch.no_grad():
+            fused.gate_up_proj.copy_(pack_experts(gate_up))
+            fused.down_proj.copy_(down)
+        fused.gate_up_proj.requires_grad_(gate_up.requires_grad)
+        fused.down_proj.requires_grad_(down.requires_grad)
+        return fused
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return swiglu_experts(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, save=self.save
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_dim}, "
+            f"intermediate_size={self.intermediate_dim}, save={self.save!r}"
+        )
+
+
+def _state_dict_in_stock_layout(module, state_dict, prefix, local_metadata):
+    key = prefix + "gate_up_proj"
+    if key in state_dict:
+        state_dict[key] = unpack_experts(state_dict[key])
+    return state_dict
+
+
+def _load_stock_layout(state_dict, prefix, *args):
+    key = prefix + "gate_up_proj"
+    if key in state_dict and state_dict[key].dim() == 3 and state_dict[key].shape[1] % (2 * CHUNK) == 0:
+        state_dict[key] = pack_experts(state_dict[key])

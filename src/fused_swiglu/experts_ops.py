@@ -1,0 +1,135 @@
+"""The custom ops of the routed experts' GLU half (``fused_swiglu::``, as ops.py for the dense MLP): x's
+rows grouped by expert (routing.py) times every expert's packed gate/up weight, the SwiGLU in the
+forward kernel's epilogue.
+
+* forward: the forward kernel with a row-block -> expert table; keeps the factors (``"factors"``) or
+  nothing (``"recompute"``, where the backward runs the forward kernel again);
+* backward: the SwiGLU gradient over the kept factors in place (kernels/glu_grad.py), then dX and
+  the packed dW as grouped GEMMs (``torch._grouped_mm``) over the experts' groups of rows.
+
+The rows past the routed ones (``Routes.used_rows``) are spare room: no kernel writes them, and what
+they hold never reaches a result (the grouped GEMMs stop at the last group's end).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .kernels.common import Saved, tma_ready
+from .kernels.glu_forward import glu_forward
+from .kernels.glu_grad import glu_grad_
+from .library import define
+from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
+from .passes import KEPT
+
+EXPERTS_SAVE_MODES = ("factors", "recompute")
+
+
+def _grouped_mm(a, b, ends):
+    """Per expert ``e``, rows ``[ends[e-1], ends[e])``: ``a`` [P, K] @ ``b[e]`` [K, N] -> [P, N], or
+    ``a`` [M, P] @ ``b`` [P, N] over those rows -> [E, M, N]. ``torch._grouped_mm`` for bf16 on a GPU
+    (the dtype it takes); otherwise expert by expert, which waits for the GPU to read ``ends``.
+    Rows past the last expert's are zero (or, from ``torch._grouped_mm``, not written)."""
+    if a.is_cuda and a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=ends)
+    bounds = [0, *ends.tolist()]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            torch.mm(a[lo:hi], b[e], out=out[lo:hi])
+        return out
+    out = a.new_empty(len(bounds) - 1, a.shape[0], b.shape[1])
+    for e, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        torch.mm(a[:, lo:hi], b[lo:hi], out=out[e])
+    return out
+
+
+def _grouped_mm_fake(a, b, ends):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(ends.shape[0], a.shape[0], b.shape[1])
+
+
+#: The grouped GEMMs of the routed experts, an op of its own so that the compiler takes every dtype.
+grouped_mm = define("grouped_mm(Tensor a, Tensor b, Tensor ends) -> Tensor", _grouped_mm, _grouped_mm_fake)
+
+
+def _factors(x_rows, gate_up_weight, tile_experts, used_rows, *, write_a: bool):
+    experts = (tile_experts, used_rows, gate_up_weight.shape[0])
+    scales = {"gate_scale": 1.0, "out_scale": 1.0}
+    return glu_forward(x_rows, gate_up_weight, save=Saved.FACTORS, write_a=write_a, experts=experts, **scales)
+
+
+@_on_tensor_device
+def _experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save):
+    """``a`` [P, I] and the kept factors [P, 2I] (empty for ``"recompute"``)."""
+    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
+    experts = (tile_experts, used_rows, gate_up_weight.shape[0])
+    scales = {"gate_scale": 1.0, "out_scale": 1.0}
+    a, kept = glu_forward(x_rows, gate_up_weight, save=KEPT[save], experts=experts, **scales)
+    return a, _empty_if_none(kept, x_rows)
+
+
+def _experts_glu_forward_fake(x_rows, gate_up_weight, tile_experts, used_rows, save):
+    rows, two_inter = x_rows.shape[0], gate_up_weight.shape[1]
+    kept = x_rows.new_empty(rows, two_inter) if save == "factors" else x_rows.new_empty(0)
+    return x_rows.new_empty(rows, two_inter // 2), kept
+
+
+experts_glu_forward = define(
+    "experts_glu_forward(Tensor x_rows, Tensor gate_up_weight, Tensor tile_experts, Tensor used_rows, "
+    "str save) -> (Tensor, Tensor)",
+    _experts_glu_forward,
+    _experts_glu_forward_fake,
+)
+
+
+@_on_tensor_device
+def _experts_glu_backward(
+    da, x_rows, gate_up_weight, kept, tile_experts, used_rows, ends, save, need_dx, need_dw
+):
+    """dX [P, H] and the packed dW [E, 2I, H] (empty where not needed); overwrites ``kept``."""
+    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
+    if KEPT[save] == Saved.NOTHING:
+        _, kept = _factors(x_rows, gate_up_weight, tile_experts, used_rows, write_a=False)
+    else:
+        _overwrite_once(kept)
+    grad = glu_grad_(da.contiguous(), kept)  # [dU | dG] per row, packed, over the factors
+    dx = grouped_mm(grad, gate_up_weight, ends) if need_dx else None
+    dw = grouped_mm(grad.t(), x_rows, ends) if need_dw else None
+    return _empty_if_none(dx, x_rows), _empty_if_none(dw, x_rows)
+
+
+def _experts_glu_backward_fake(
+    da, x_rows, gate_up_weight, kept, tile_experts, used_rows, ends, save, need_dx, need_dw
+):
+    dx = x_rows.new_empty(x_rows.shape if need_dx else (0,))
+    return dx, x_rows.new_empty(gate_up_weight.shape if need_dw else (0,))
+
+
+experts_glu_backward = define(
+    "experts_glu_backward(Tensor da, Tensor x_rows, Tensor gate_up_weight, Tensor kept, Tensor tile_experts, "
+    "Tensor used_rows, Tensor ends, str save, bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+    _experts_glu_backward,
+    _experts_glu_backward_fake,
+)
+
+
+@_on_tensor_device
+def _experts_glu_inference(x_rows, gate_up_weight, tile_experts, used_rows):
+    a, _ = _experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, "recompute")
+    return a
+
+
+def _experts_glu_inference_fake(x_rows, gate_up_weight, tile_experts, used_rows):
+    return x_rows.new_empty(x_rows.shape[0], gate_up_weight.shape[1] // 2)
+
+
+experts_glu_inference = define(
+    "experts_glu_inference(Tensor x_rows, Tensor gate_up_weight, Tensor tile_experts, Tensor used_rows) "
+    "-> Tensor",
+    _experts_glu_inference,
+    _experts_glu_inference_fake,
+)

@@ -1,0 +1,279 @@
+"""Routed SwiGLU experts (experts.py, routing.py, experts_ops.py): outputs and every gradient (x, the
+routing weights, both expert weights) against a float64 reference by the accuracy rule, on ragged
+routings with empty experts and top-k from 1 to 8; the module against transformers' expert modules,
+their checkpoint layout, and a compiled model as one graph."""
+
+import pytest
+import torch
+
+from fused_swiglu import SwiGLUExperts, swiglu_experts
+from fused_swiglu.experts import pack_experts, reference_swiglu_experts, unpack_experts
+from fused_swiglu.kernels.configs import EXPERT_ROWS
+from fused_swiglu.routing import capacity, route
+from fused_swiglu.testing import accuracy_rows, relative_error
+
+NAMES = ("y", "x", "weights", "gate_up", "down")
+
+
+def routing(tokens, experts, top_k, *, skew=False, empty=(), generator=None):
+    """Top-k routing of random scores; ``skew`` sends most tokens to expert 0, ``empty`` experts get none."""
+    scores = torch.rand(tokens, experts, generator=generator)
+    if skew:
+        scores[:, 0] += 2.0
+    for e in empty:
+        scores[:, e] = -1.0
+    weights, index = torch.topk(scores.softmax(-1), top_k)
+    return index, weights
+
+
+def problem(tokens, hidden, inter, experts, top_k, device, **routing_options):
+    g = torch.Generator().manual_seed(1)
+    index, weights = routing(tokens, experts, top_k, generator=g, **routing_options)
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    dy = torch.randn(tokens, hidden, generator=g)
+    return [t.to(device) for t in (x, index, weights, gate_up, down, dy)]
+
+
+def step(fn, x, index, weights, gate_up, down, dy, dtype):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, weights, gate_up, down)]
+    y = fn(leaves[0], index, leaves[1], leaves[2], leaves[3])
+    y.backward(dy.to(dtype))
+    return dict(zip(NAMES, (y.detach(), *(t.grad for t in leaves)), strict=True))
+
+
+CASES = [
+    # tokens, hidden, intermediate, experts, top-k, routing
+    (37, 32, 48, 5, 2, {"empty": (4,)}),
+    (50, 48, 24, 8, 1, {"skew": True}),
+    (19, 32, 16, 16, 8, {}),
+    (64, 16, 32, 3, 3, {"empty": (0, 2)}),
+    (7, 32, 16, 1, 1, {}),
+]
+
+
+@pytest.mark.parametrize("save", ["factors", "recompute"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])))
+def test_experts_match_float64_reference(device, case, save):
+    *sizes, options = case
+    args = problem(*sizes, device, **options)
+
+    def fused(*a):
+        return swiglu_experts(*a, save=save)
+
+    got = step(fused, *args, torch.float32)
+    oracle = step(reference_swiglu_experts, *args, torch.float64)
+    for name in NAMES:
+        assert relative_error(got[name], oracle[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("save", ["factors", "recompute"])
+def test_experts_half_precision_within_twice_eager_error(device, save):
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # bf16 tl.dot is wrong on CPU
+    args = problem(96, 64, 48, 8, 2, device, skew=True)
+
+    def fused(*a):
+        return swiglu_experts(*a, save=save)
+
+    got = step(fused, *args, dtype)
+    eager = step(reference_swiglu_experts, *args, dtype)
+    oracle = step(reference_swiglu_experts, *args, torch.float64)
+    rows = accuracy_rows(got, eager, oracle, dtype)
+    assert all(row.ok for row in rows), rows
+
+
+def test_routes_group_slots_by_expert_in_whole_blocks():
+    index = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 0]])
+    routes = route(index, 4)
+    slots = index.numel()
+    assert routes.sources.numel() == capacity(slots, 4)
+    ends = routes.ends.tolist()
+    assert ends == [EXPERT_ROWS, 2 * EXPERT_ROWS, 3 * EXPERT_ROWS, 3 * EXPERT_ROWS]  # expert 3: none
+    assert routes.used_rows.tolist() == [3 * EXPERT_ROWS]
+    assert torch.equal(routes.sources[routes.rows], torch.arange(slots))
+    starts = [0, *ends[:-1]]
+    experts_of_rows = index.reshape(-1)
+    for slot, row in enumerate(routes.rows.tolist()):
+        e = experts_of_rows[slot].item()
+        assert starts[e] <= row < ends[e]
+    assert routes.tile_experts[:3].tolist() == [0, 1, 2]
+
+
+def test_no_grad_and_recorded_forward_agree(device):
+    x, index, weights, gate_up, down, _ = problem(33, 32, 24, 6, 2, device)
+    with torch.no_grad():
+        inference = swiglu_experts(x, index, weights, gate_up, down)
+    training = swiglu_experts(x, index, weights, gate_up.requires_grad_(), down)
+    assert relative_error(inference, reference_swiglu_experts(x, index, weights, gate_up, down)) < 1e-6
+    assert torch.equal(inference, training.detach())
+
+
+def test_bfloat16_on_cpu_takes_the_reference():
+    x, index, weights, gate_up, down, _ = problem(20, 32, 16, 4, 2, torch.device("cpu"))
+    got = swiglu_experts(x.bfloat16(), index, weights, gate_up.bfloat16(), down.bfloat16())
+    expected = reference_swiglu_experts(x.double(), index, weights.double(), gate_up.double(), down.double())
+    assert relative_error(got, expected) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        (lambda a: {**a, "x": a["x"][:, :-1]}, ValueError, "do not fit"),
+        (lambda a: {**a, "top_k_index": a["top_k_index"][:-1]}, ValueError, "top_k_index"),
+        (lambda a: {**a, "top_k_index": a["top_k_index"].float()}, TypeError, "expert ids"),
+        (lambda a: {**a, "down_weight": a["down_weight"].double()}, TypeError, "share a floating-point"),
+        (
+            lambda a: {**a, "gate_up_weight": a["gate_up_weight"][0]},
+            ValueError,
+            r"\[experts, 2 \* intermediate",
+        ),
+        (lambda a: {**a, "x": a["x"].tolist()}, TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_input_is_refused_by_name(device, change, error, words):
+    x, index, weights, gate_up, down, _ = problem(9, 32, 16, 4, 2, device)
+    args = {
+        "x": x,
+        "top_k_index": index,
+        "top_k_weights": weights,
+        "gate_up_weight": gate_up,
+        "down_weight": down,
+    }
+    with pytest.raises(error, match=words):
+        swiglu_experts(**change(args))
+    with pytest.raises(ValueError, match="save must be one of"):
+        swiglu_experts(**args, save="preact")
+
+
+def test_packing_round_trips():
+    stock = torch.randn(3, 2 * 24, 8)
+    packed = pack_experts(stock)
+    assert torch.equal(unpack_experts(packed), stock)
+    gate, up = stock.chunk(2, dim=1)
+    assert torch.equal(packed[:, :8], up[:, :8]) and torch.equal(packed[:, 8:16], gate[:, :8])
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_moe(family, device, seed=0):
+    torch.manual_seed(seed)
+    sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            **sizes, intermediate_size=48, num_local_experts=6, vocab_size=128
+        )
+        return transformers.MixtralForCausalLM(config).to(device)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**sizes, moe_intermediate_size=32, num_experts=8, vocab_size=128)
+        config.num_experts_per_tok = 3
+        return transformers.Qwen3MoeForCausalLM(config).to(device)
+    if family == "olmoe":
+        config = transformers.OlmoeConfig(**sizes, intermediate_size=32, num_experts=8, vocab_size=128)
+        config.eos_token_id = config.pad_token_id = 0
+        return transformers.OlmoeForCausalLM(config).to(device)
+    config = transformers.Qwen2MoeConfig(**sizes, moe_intermediate_size=32, num_experts=6, vocab_size=128)
+    config.shared_expert_intermediate_size = 48
+    return transformers.Qwen2MoeForCausalLM(config).to(device)
+
+
+def train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:  # the fused experts' gate_up_proj gradient in the stock layout
+            owner, _, weight = name.rpartition(".")
+            packed = weight == "gate_up_proj" and isinstance(model.get_submodule(owner), SwiGLUExperts)
+            grads[name] = unpack_experts(p.grad) if packed else p.grad
+    return out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+def test_swapped_moe_model_trains_like_stock(device, family):
+    from fused_swiglu import swap_swiglu_mlps
+
+    stock = tiny_moe(family, device)
+    fused = tiny_moe(family, device)
+    report = swap_swiglu_mlps(fused)
+    experts = [name for name in report if name.endswith("experts")]
+    assert len(experts) == 2 and not report.skipped
+    assert all(isinstance(fused.get_submodule(name), SwiGLUExperts) for name in experts)
+    assert fused.state_dict().keys() == stock.state_dict().keys()
+    for key, value in fused.state_dict().items():
+        assert torch.equal(value, stock.state_dict()[key]), key
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0)).to(device)
+    logits, grads = train_step(stock, ids)
+    fused_logits, fused_grads = train_step(fused, ids)
+    assert relative_error(fused_logits, logits) < 1e-5
+    router = [n for n in grads if n.endswith("gate.weight")]
+    assert router and all(n in fused_grads for n in router)  # the routing weights' gradient arrives
+    for name, grad in grads.items():
+        if name in fused_grads:  # a shared expert's dense MLP holds its gate and up packed
+            assert relative_error(fused_grads[name], grad) < 1e-4, name
+
+
+def test_stock_checkpoint_loads_into_the_fused_module(device):
+    stock = tiny_moe("mixtral", device).model.layers[0].mlp.experts
+    fused = SwiGLUExperts(6, 64, 48, device=device)
+    fused.load_state_dict(stock.state_dict())
+    assert torch.equal(fused.state_dict()["gate_up_proj"], stock.gate_up_proj)
+    x = torch.randn(10, 64, device=device)
+    index, weights = routing(10, 6, 2)
+    index, weights = index.to(device), weights.to(device)
+    with torch.no_grad():
+        assert relative_error(fused(x, index, weights), stock(x, index, weights)) < 1e-5
+
+
+def test_generate_gives_stock_tokens(device):
+    from fused_swiglu import swap_swiglu_mlps
+
+    stock, fused = tiny_moe("qwen3_moe", device), tiny_moe("qwen3_moe", device)
+    swap_swiglu_mlps(fused)
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(0)).to(device)
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(fused.generate(ids, **options), stock.generate(ids, **options))
+
+
+def test_compiled_moe_model_is_one_graph_and_matches_eager(device):
+    from fused_swiglu import swap_swiglu_mlps
+
+    model = tiny_moe("mixtral", device)
+    swap_swiglu_mlps(model)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0)).to(device)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    eager_logits, eager_grads = train_step(model, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    logits, grads = train_step(compiled, ids)
+    assert relative_error(logits, eager_logits) < 1e-6
+    for name, grad in grads.items():
+        assert relative_error(grad, eager_grads[name.removeprefix("_orig_mod.")]) < 1e-5, name
+
+
+def test_experts_that_compute_something_else_are_left_alone(device):
+    from fused_swiglu import swap_swiglu_mlps
+
+    model = tiny_moe("mixtral", device)
+    model.model.layers[0].mlp.experts.act_fn = torch.nn.GELU()
+    report = swap_swiglu_mlps(model)
+    assert "model.layers.0.mlp.experts" in report.skipped
+    assert "not SiLU" in report.skipped["model.layers.0.mlp.experts"]
+    assert "model.layers.1.mlp.experts" in report
+
+    model = tiny_moe("mixtral", device)
+    experts = model.model.layers[1].mlp.experts
+    original = experts.forward  # the layout fits, the forward computes something else
+
+    def doubled(hidden_states, top_k_index, top_k_weights):
+        return 2 * original(hidden_states, top_k_index, top_k_weights)
+
+    experts.forward = doubled
+    with pytest.raises(ValueError, match="relative difference"):
+        swap_swiglu_mlps(model)
+    report = swap_swiglu_mlps(model, on_mismatch="skip")
+    assert "differs" in report.skipped["model.layers.1.mlp.experts"]
