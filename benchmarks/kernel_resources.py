@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_swiglu.bench.run import SHAPES
 from fused_swiglu.kernels import glu_backward_ws, glu_forward_ws, hopper_ws
 from fused_swiglu.kernels.common import CHUNK, Saved
-from fused_swiglu.kernels.configs import TileConfig, backward_config, forward_config
+from fused_swiglu.kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from fused_swiglu.kernels.glu_backward import _glu_backward_kernel
 from fused_swiglu.kernels.glu_forward import _glu_forward_kernel
 
@@ -80,7 +80,13 @@ def forward_kernel(
         "a_desc": _descriptor_type([cfg.block_m, width], dtype),
     }
     constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
-    constants |= {"u_desc": None, "v_desc": None}  # no low-rank term
+    constants |= {
+        "u_desc": None,
+        "v_desc": None,
+        "e_ptr": None,
+        "used_ptr": None,
+        "ROWS": EXPERT_ROWS,
+    }  # dense
     if save == Saved.NOTHING:
         constants["s_desc"] = None
     else:

@@ -16,6 +16,15 @@ from .layout import CHUNK
 from .mlp_layouts import is_silu
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")
+#: transformers' expert-layout flags (``use_experts_implementation``) and the values the fused experts take.
+STOCK_FLAGS = {
+    "is_concatenated": True,  # [gate; up], not interleaved rows
+    "is_transposed": False,
+    "has_bias": False,
+    "has_gate": True,
+    "has_post_expert_norm": False,
+    "_is_expert_parallel": False,
+}
 #: Attributes with which expert modules of some families change the SwiGLU.
 CLAMPS = ("limit", "swiglu_limit", "alpha")
 
@@ -35,6 +44,9 @@ def experts_mismatch(module: nn.Module) -> str | None:
     params = list(inspect.signature(module.forward).parameters)
     if tuple(params[:3]) != CALL:
         return f"it is called as forward({', '.join(params)}), not forward({', '.join(CALL)})"
+    for flag, stock in STOCK_FLAGS.items():
+        if getattr(module, flag, stock) != stock:
+            return f"its {flag} is {getattr(module, flag)!r} (the fused experts take {stock!r})"
     gate = getattr(type(module), "_apply_gate", None)  # transformers' experts: the gate function
     if gate is not None and gate.__name__ != "_default_apply_gate":  # DeepSeek-V4 clamps its gate
         return "it applies a gate function of its own (_apply_gate), not plain SwiGLU"

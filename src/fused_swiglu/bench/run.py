@@ -11,12 +11,13 @@ import torch
 from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
+from .experts import EXPERT_IMPLS, EXPERT_SHAPES, ROUTINGS, experts_table, measure_experts
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .host import measure_host_time
 from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
 from .model import EXTRA_VARIANTS, MODEL_SIZES, PRECISIONS, VARIANTS, model_table, plot_model, run_model_bench
-from .report import provenance, shape_table, write_json, write_markdown, write_plots
+from .report import provenance, provenance_header, shape_table, write_json, write_markdown, write_plots
 
 #: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs, see ``benchmarks/fp32_step.py``).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,6 +61,7 @@ def chosen_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int, int]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser)
+    add_experts_arguments(parser)
     parser.add_argument(
         "--impls",
         nargs="*",
@@ -167,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is not None or args.model_size:
         return run_model(args)
+    if args.experts is not None:
+        return run_experts(args)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (use `python -m fused_swiglu check` to check the kernels on CPU)")
         return 2
@@ -364,3 +368,63 @@ def run_model(args: argparse.Namespace) -> int:
         written.append(out / "step_vs_stock.png")
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0 if all("error" not in r for r in results) else 1
+
+
+def add_experts_arguments(parser: argparse.ArgumentParser) -> None:
+    experts = parser.add_argument_group("routed experts (bench --experts)")
+    experts.add_argument(
+        "--experts",
+        nargs="*",
+        choices=list(EXPERT_SHAPES),
+        metavar="NAME",
+        help=f"routed SwiGLU experts at these shapes (none named: all of {', '.join(EXPERT_SHAPES)})",
+    )
+    experts.add_argument(
+        "--expert-impls",
+        nargs="*",
+        default=list(EXPERT_IMPLS),
+        choices=list(EXPERT_IMPLS),
+        metavar="IMPL",
+        help=f"implementations (default: all of {', '.join(EXPERT_IMPLS)})",
+    )
+    experts.add_argument(
+        "--routing", nargs="*", default=list(ROUTINGS), choices=list(ROUTINGS), help="routings of the tokens"
+    )
+    experts.add_argument("--tokens", type=int, default=8192, help="tokens per step")
+
+
+def run_experts(args: argparse.Namespace) -> int:
+    """``bench --experts``: a table per shape and routing; JSON, Markdown and PNG under ``OUT/experts``."""
+    if not torch.cuda.is_available():
+        print("bench --experts needs a CUDA GPU (tests/test_experts.py checks the experts on CPU)")
+        return 2
+    meta = provenance(args.commit) | {"dtype": args.dtype, "tokens": args.tokens}
+    print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit'][:12]}")
+    out = args.out / "experts"
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    lines = [f"# Routed experts, training step ({args.tokens} tokens, {args.dtype})", ""]
+    for name in args.experts or list(EXPERT_SHAPES):
+        shape = EXPERT_SHAPES[name]
+        for kind in args.routing:
+            title = f"{name}-{kind}"
+            hidden, inter, experts, top_k = shape
+            print(
+                f"\n{title}: hidden={hidden} intermediate={inter} experts={experts} top-{top_k}", flush=True
+            )
+            rows = measure_experts(
+                shape, kind, args.expert_impls, tokens=args.tokens, reps=args.reps, dtype=DTYPES[args.dtype]
+            )
+            results[title] = rows
+            print(experts_table(rows), flush=True)
+            lines += [
+                f"## {title} (hidden {hidden}, intermediate {inter}, {experts} experts, top-{top_k})",
+                "",
+            ]
+            lines += [experts_table(rows, True), ""]
+            (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            (out / "results.md").write_text(provenance_header(meta) + "\n\n" + "\n".join(lines))
+    if not args.no_plots and results:
+        write_plots(out, results)
+    print(f"\nwrote {out}")
+    return 0
