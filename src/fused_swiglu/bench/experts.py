@@ -18,6 +18,7 @@ inputs and weights.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -161,8 +162,10 @@ def measure_experts(
                 p.grad = None
 
         clear()
+        start = time.perf_counter()
         step()  # the first call compiles
         torch.cuda.synchronize()
+        log(f"  {impl}: first call {time.perf_counter() - start:.1f} s")
         peak = peak_mib(step)
         clear()
         kept = kept_mib(forward) if forward is not None else None
