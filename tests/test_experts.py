@@ -277,3 +277,18 @@ def test_experts_that_compute_something_else_are_left_alone(device):
         swap_swiglu_mlps(model)
     report = swap_swiglu_mlps(model, on_mismatch="skip")
     assert "differs" in report.skipped["model.layers.1.mlp.experts"]
+
+
+def test_second_backward_is_refused_or_right(device):
+    """Factors are overwritten by the first backward (refused after); recompute keeps nothing to
+    overwrite, and a second walk gives the first one's gradients again."""
+    x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
+    y = swiglu_experts(x, index, weights, gate_up.requires_grad_(), down, save="factors")
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError):
+        y.backward(dy)
+    gate_up.grad = None
+    y = swiglu_experts(x, index, weights, gate_up, down, save="recompute")
+    (first,) = torch.autograd.grad(y, gate_up, dy, retain_graph=True)
+    (second,) = torch.autograd.grad(y, gate_up, dy)
+    assert torch.equal(first, second)

@@ -66,11 +66,47 @@ class WeightedDownFunction(torch.autograd.Function):
         a, weights, down_weight, ends = ctx.saved_tensors
         need_da, need_dw, need_ddown = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
-        da_w = grouped_mm(dy, down_weight, ends)  # the gradient of a * w
-        ddown = grouped_mm(dy.t(), a * weights[:, None], ends) if need_ddown else None
-        dw = torch.linalg.vecdot(da_w.float(), a.float()).to(weights.dtype) if need_dw else None
-        da = da_w * weights[:, None] if need_da else None
-        return da, dw, ddown, None
+        grad = grouped_mm(dy, down_weight, ends)  # of a * w
+        dw = torch.linalg.vecdot(grad.float(), a.float()).to(weights.dtype) if need_dw else None
+        # a's last use: a * w in place, then the gradient of a over the gradient of a * w.
+        ddown = grouped_mm(dy.t(), a.mul_(weights[:, None]), ends) if need_ddown else None
+        del a
+        return grad.mul_(weights[:, None]) if need_da else None, dw, ddown, None
+
+
+class _Gather(torch.autograd.Function):
+    """``source`` [N, ...] -> [R, ...]: row ``r`` is ``source[index[r]]``, zero where ``index[r] == N``;
+    every source row ``n`` reaches the rows ``back[n * k : (n + 1) * k]``. Its gradient gathers those
+    rows and sums them (``_Sum``), so neither direction adds rows up with atomics: the padding rows,
+    many at small expert sizes, all read the one zero row."""
+
+    @staticmethod
+    def forward(ctx, source, index, back, k: int):
+        ctx.save_for_backward(index, back)
+        ctx.k = k
+        return torch.cat((source, source.new_zeros(1, *source.shape[1:])))[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, back = ctx.saved_tensors
+        return _Sum.apply(grad, back, index, ctx.k), None, None, None
+
+
+class _Sum(torch.autograd.Function):
+    """``rows`` [R, ...] -> [N, ...]: row ``n`` is the sum of ``rows[back[n * k : (n + 1) * k]]``
+    (the adjoint of ``_Gather``)."""
+
+    @staticmethod
+    def forward(ctx, rows, back, index, k: int):
+        ctx.save_for_backward(index, back)
+        ctx.k = k
+        picked = rows[back]
+        return picked.view(-1, k, *rows.shape[1:]).sum(1) if k > 1 else picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, back = ctx.saved_tensors
+        return _Gather.apply(grad, index, back, ctx.k), None, None, None
 
 
 def _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> None:
@@ -138,13 +174,13 @@ def swiglu_experts(
     if x.shape[0] == 0 or not fused_path_available(x, gate_up_weight[0]):
         return reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
     routes = route(top_k_index, num_experts)
-    slots = routes.rows.numel()
-    tokens = torch.cat((x, x.new_zeros(1, x.shape[1])))  # padding rows read the zero row
-    x_rows = tokens[torch.where(routes.sources < slots, routes.sources // top_k_index.shape[1], x.shape[0])]
-    weights = torch.cat((top_k_weights.reshape(-1).to(x.dtype), x.new_zeros(1)))[routes.sources]
+    slots, top_k = routes.rows.numel(), top_k_index.shape[1]
+    token_of_row = torch.where(routes.sources < slots, routes.sources // top_k, x.shape[0])
+    x_rows = _Gather.apply(x, token_of_row, routes.rows, top_k)
+    weights = _Gather.apply(top_k_weights.reshape(-1).to(x.dtype), routes.sources, routes.rows, 1)
     a = _glu(x_rows, gate_up_weight, routes, save)
     y_rows = WeightedDownFunction.apply(a, weights, down_weight, routes.ends)
-    return y_rows[routes.rows].view(*top_k_index.shape, -1).sum(1)
+    return _Sum.apply(y_rows, routes.rows, token_of_row, top_k)
 
 
 def _glu(x_rows, gate_up_weight, routes: Routes, save: str) -> torch.Tensor:
