@@ -292,3 +292,24 @@ def test_second_backward_is_refused_or_right(device):
     (first,) = torch.autograd.grad(y, gate_up, dy, retain_graph=True)
     (second,) = torch.autograd.grad(y, gate_up, dy)
     assert torch.equal(first, second)
+
+
+def test_a_new_module_is_initialised_like_linear_layers():
+    experts = SwiGLUExperts(3, 64, 32)
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        bound = weight.shape[2] ** -0.5
+        assert torch.isfinite(weight).all() and weight.abs().max() <= bound and weight.std() > bound / 3
+    assert "num_experts=3" in repr(experts)
+
+
+def test_autocast_casts_like_a_matmul(device):
+    x, index, weights, gate_up, down, dy = problem(24, 32, 16, 4, 2, device)
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
+    gate_up.requires_grad_()
+    with torch.autocast(device.type, dtype=dtype):
+        y = swiglu_experts(x, index, weights, gate_up, down)
+    assert y.dtype == dtype
+    y.backward(dy.to(dtype))
+    assert gate_up.grad.dtype == torch.float32
+    expected = reference_swiglu_experts(x.double(), index, weights.double(), gate_up.double(), down.double())
+    assert relative_error(y, expected) < 1e-2

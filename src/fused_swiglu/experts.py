@@ -246,8 +246,17 @@ class SwiGLUExperts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.reset_parameters()
         self._register_state_dict_hook(_state_dict_in_stock_layout)
         self._register_load_state_dict_pre_hook(_load_stock_layout)
+
+    def reset_parameters(self) -> None:
+        """Each expert's projections as ``nn.Linear`` initialises its weight: uniform in
+        +-1/sqrt(fan_in)."""
+        with torch.no_grad():
+            for weight in (self.gate_up_proj, self.down_proj):
+                bound = weight.shape[2] ** -0.5
+                weight.uniform_(-bound, bound)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, *, save: str = "factors") -> SwiGLUExperts:

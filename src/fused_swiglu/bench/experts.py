@@ -12,7 +12,7 @@ weights and both expert weights), every implementation side by side in one proce
 
 Times are medians of ``do_bench`` medians over interleaved repetitions; "kept" is the memory a forward
 leaves allocated for its backward (its output included), "peak" the most a step allocates beyond the
-inputs and weights.
+inputs and weights, the gradients included (none exist before the step).
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def measure_experts(
         step()  # the first call compiles
         torch.cuda.synchronize()
         log(f"  {impl}: first call {time.perf_counter() - start:.1f} s")
+        clear()  # as a training loop's zero_grad(set_to_none=True): the step allocates the gradients
         peak = peak_mib(step)
         clear()
         kept = kept_mib(forward) if forward is not None else None
