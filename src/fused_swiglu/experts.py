@@ -170,10 +170,15 @@ def swiglu_experts(
     check_save_mode(save, EXPERTS_SAVE_MODES)
     x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
     _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
-    num_experts = gate_up_weight.shape[0]
     if x.shape[0] == 0 or not fused_path_available(x, gate_up_weight[0]):
         return reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
-    routes = route(top_k_index, num_experts)
+    # Cast once, above; inside, autocast would recast the grouped GEMMs' operands and outputs.
+    with torch.autocast(x.device.type, enabled=False):
+        return _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save)
+
+
+def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: str) -> torch.Tensor:
+    routes = route(top_k_index, gate_up_weight.shape[0])
     slots, top_k = routes.rows.numel(), top_k_index.shape[1]
     token_of_row = torch.where(routes.sources < slots, routes.sources // top_k, x.shape[0])
     x_rows = _Gather.apply(x, token_of_row, routes.rows, top_k)
