@@ -1,6 +1,6 @@
-"""SwiGLUMLP inside FSDP2 (``fully_shard``) and DDP: two CPU processes over gloo with the kernels
-under the Triton interpreter, or one process per GPU over NCCL (as many as there are, up to two).
-Each rank's output and the synchronised gradients must equal an unwrapped copy's (gradients
+"""SwiGLUMLP and SwiGLUExperts inside FSDP2 (``fully_shard``) and DDP: two CPU processes over gloo
+with the kernels under the Triton interpreter, or one process per GPU over NCCL (as many as there
+are, up to two). Each rank's output and the synchronised gradients must equal an unwrapped copy's (gradients
 averaged over the ranks by hand), and the sharded state dict must round-trip."""
 
 import os
@@ -14,7 +14,28 @@ import torch.multiprocessing as mp
 CPU_WORLD = 2
 
 
-def _worker(rank: int, store_file: str, wrapper: str, save: str, backend: str, world: int) -> None:
+def _modules(kind: str, save: str, device, rank: int):
+    """(reference, model, call): an MLP or routed experts, the same weights in both, and how to call
+    one on this rank's input."""
+    from fused_swiglu import SwiGLUExperts, SwiGLUMLP
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(37, 40, generator=g).to(device)
+    if kind == "mlp":
+        reference = SwiGLUMLP(40, 72, save=save, device=device)
+        model = SwiGLUMLP(40, 72, save=save, device=device)
+        model.load_state_dict(reference.state_dict())
+        return reference, model, lambda m: m(x)
+    reference = SwiGLUExperts(4, 40, 24, save=save, device=device)
+    model = SwiGLUExperts(4, 40, 24, save=save, device=device)
+    model.load_state_dict(reference.state_dict())
+    weights, index = torch.topk(torch.rand(37, 4, generator=g).softmax(-1), 2)
+    weights, index = weights.to(device), index.to(device)
+    return reference, model, lambda m: m(x, index, weights)
+
+
+def _worker(rank: int, store_file: str, wrapper: str, save: str, backend: str, world: int, kind: str) -> None:
     if backend == "gloo":
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device = torch.device("cpu")
@@ -24,13 +45,9 @@ def _worker(rank: int, store_file: str, wrapper: str, save: str, backend: str, w
     # A file store, not TCP: no port to pick, so no race with a port another test just released.
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
-        from fused_swiglu import SwiGLUMLP
         from fused_swiglu.testing import relative_error
 
-        torch.manual_seed(0)
-        reference = SwiGLUMLP(40, 72, save=save, device=device)
-        model = SwiGLUMLP(40, 72, save=save, device=device)
-        model.load_state_dict(reference.state_dict())
+        reference, model, call = _modules(kind, save, device, rank)
         if wrapper == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -38,10 +55,9 @@ def _worker(rank: int, store_file: str, wrapper: str, save: str, backend: str, w
             wrapped = model
         else:
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        x = torch.randn(37, 40, generator=torch.Generator().manual_seed(rank)).to(device)
-        y = wrapped(x)
+        y = call(wrapped)
         y.sum().backward()
-        expected = reference(x)
+        expected = call(reference)
         expected.sum().backward()
         assert relative_error(y, expected) < 1e-6
         for name, param in model.named_parameters():
@@ -66,23 +82,27 @@ def _worker(rank: int, store_file: str, wrapper: str, save: str, backend: str, w
     os._exit(0)
 
 
+@pytest.mark.parametrize("kind", ["mlp", "experts"])
 @pytest.mark.parametrize("save", ["factors", "recompute"])
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
-def test_two_cpu_ranks(device, wrapper, save, tmp_path):
+def test_two_cpu_ranks(device, wrapper, save, kind, tmp_path):
     if device.type != "cpu":
         pytest.skip("CPU processes over gloo; multi-GPU runs are not part of this suite")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save, "gloo", CPU_WORLD), nprocs=CPU_WORLD)
+    mp.spawn(
+        _worker, args=(str(tmp_path / "store"), wrapper, save, "gloo", CPU_WORLD, kind), nprocs=CPU_WORLD
+    )
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mlp", "experts"])
 @pytest.mark.parametrize("save", ["factors", "recompute"])
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
-def test_gpu_ranks_over_nccl(wrapper, save, tmp_path):
+def test_gpu_ranks_over_nccl(wrapper, save, kind, tmp_path):
     """One process per GPU, up to two: on a single GPU this still runs the wrappers' CUDA paths
     (FSDP2's unsharded parameters, DDP's bucketed all-reduce) around the fused kernels."""
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("NCCL is not available")
     world = min(2, torch.cuda.device_count())
-    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save, "nccl", world), nprocs=world)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), wrapper, save, "nccl", world, kind), nprocs=world)
