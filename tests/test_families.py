@@ -78,3 +78,12 @@ def test_other_mlps_are_left_alone_with_the_reason(rows, family, mlp, why):
 def test_the_table_lists_every_family(rows):
     table = markdown(list(rows.values()))
     assert all(f"| {family} |" in table for family in rows)
+
+
+def test_the_summary_groups_families_by_outcome(rows):
+    from fused_swiglu.families import summary
+
+    lines = {line.split(" (")[0].strip("| "): line for line in summary(list(rows.values())).splitlines()[2:]}
+    assert "mixtral" in lines["routed experts fused"] and "llama" in lines["MLPs fused"]
+    assert "gemma (the activation is GELUTanh)" in lines["left alone"]
+    assert "deepseek_v4 (DeepseekV4Experts" in lines["partly fused"]

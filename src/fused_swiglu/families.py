@@ -3,8 +3,9 @@ model is built from a tiny config on the meta device (no memory, no download) an
 and routed-experts class found is then materialised alone with random weights and swapped with the
 forward check, so that "fused" means the fused module computes what the family's module computes.
 
-``python -m fused_swiglu.families`` prints the table (Markdown); ``tests/test_families.py`` holds the
-table of the tested transformers release to the same results.
+``python -m fused_swiglu.families`` prints the table (Markdown; ``--gated``: only the families with a
+gated MLP or expert module; ``--summary``: those families grouped by outcome);
+``tests/test_families.py`` holds the table of the tested transformers release to the same results.
 """
 
 from __future__ import annotations
@@ -140,10 +141,46 @@ def markdown(rows: list[dict], gated_only: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _short(why: str) -> str:
+    """The reason a class was left alone, in a few words."""
+    why = why.removeprefix("left alone: ")
+    for cut in (" (", ", not", "; "):
+        why = why.split(cut)[0]
+    return why
+
+
+def summary(rows: list[dict]) -> str:
+    """The families with a gated MLP or expert module, grouped by what the swap does (Markdown)."""
+    groups: dict[str, list[str]] = {"routed experts fused": [], "MLPs fused": [], "partly fused": []}
+    groups["left alone"] = []
+    for r in rows:
+        if not (r["built"] and r["mlps"]):
+            continue
+        outcomes = r["mlps"]
+        fused = [name for name, what in outcomes.items() if what == "fused"]
+        others = {name: _short(what) for name, what in outcomes.items() if what != "fused"}
+        if fused and others:
+            groups["partly fused"].append(
+                f"{r['family']} ({'; '.join(f'{n}: {w}' for n, w in others.items())})"
+            )
+        elif fused and any(name.endswith("Experts") for name in fused):
+            groups["routed experts fused"].append(r["family"])
+        elif fused:
+            groups["MLPs fused"].append(r["family"])
+        else:
+            groups["left alone"].append(f"{r['family']} ({'; '.join(sorted(set(others.values())))})")
+    lines = ["| what the swap does | families |", "|---|---|"]
+    lines += [f"| {what} ({len(names)}) | {', '.join(names)} |" for what, names in groups.items()]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import sys
 
     import transformers
 
     print(f"transformers {transformers.__version__}\n")
-    print(markdown(family_rows(), gated_only="--gated" in sys.argv[1:]))
+    rows = family_rows()
+    print(
+        summary(rows) if "--summary" in sys.argv[1:] else markdown(rows, gated_only="--gated" in sys.argv[1:])
+    )
