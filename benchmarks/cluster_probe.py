@@ -23,7 +23,6 @@ import tempfile
 import torch
 import triton
 import triton.language as tl
-from kernel_resources import _descriptor_type
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
@@ -32,6 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+from fused_swiglu.bench.resources import _descriptor_type
 
 SM90 = GPUTarget("cuda", 90, 32)
 TILES = [(128, 128, 64), (128, 256, 64), (256, 128, 64), (256, 256, 64)]

@@ -4,16 +4,21 @@ register spills on the tensor-core paths. Runs anywhere: Triton's compiler and p
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "kernel_resources.py"
 
 
 def test_chosen_configs_fit_an_sm90_block():
     # A fresh process without the interpreter, which would replace the kernels being compiled.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # hidden 4096 and 896 cover both sides of every shape-dependent choice in the configs.
-    cmd = [sys.executable, str(SCRIPT), "--check", "--shapes", "llama3-8b", "qwen2.5-0.5b"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fused_swiglu.bench.resources",
+        "--check",
+        "--shapes",
+        "llama3-8b",
+        "qwen2.5-0.5b",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # The three-pass fp32 forward, which spills with the wider tile of the other precisions.

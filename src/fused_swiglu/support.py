@@ -18,7 +18,7 @@ def _kernels_built_for(device_index: int) -> bool:
 
     They are sized for Hopper's 227 KB of shared memory per block and tested there. Compiled for
     Blackwell, the pre-activation backward tile needs 256 KB on sm_100, and on sm_120 (99 KB) 28 of
-    the 30 tiles picked at llama3-8b do not fit or spill (benchmarks/kernel_resources.py --arch), so
+    the 30 tiles picked at llama3-8b do not fit or spill (python -m fused_swiglu.bench.resources --arch), so
     newer GPUs take the PyTorch reference, with a warning once; older ones have no TMA. Cached: this
     runs on every call.
     """

@@ -176,7 +176,7 @@ def forward_config(
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
     # Three-pass TF32 (fp32 with TF32 allowed) splits both operands in registers: the packed
-    # [128, 256] tile spills with it (benchmarks/kernel_resources.py), a [128, 128] one does not.
+    # [128, 256] tile spills with it (python -m fused_swiglu.bench.resources), a [128, 128] one does not.
     three_pass = precision == "tf32x3"
     if m <= 64:
         # Decode-sized batches stream the weight: a long BK (fewer, larger TMA copies) measured fastest.
@@ -214,6 +214,6 @@ def backward_config(
     if dtype.itemsize == 4:
         # Twice the bytes per saved piece: a narrower tile, its epilogue in four pieces (in halves the
         # TF32 variant with saved pre-activations needs 241 KB of shared memory). Every fp32 precision
-        # fits it without spilling, three-pass TF32 included (benchmarks/kernel_resources.py).
+        # fits it without spilling, three-pass TF32 included (python -m fused_swiglu.bench.resources).
         return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=True)
     return TileConfig(128, 256, block_k, num_warps=8, num_stages=3, epilogue_split=4, flatten=flatten)

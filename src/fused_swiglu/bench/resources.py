@@ -5,7 +5,7 @@ Triton's own compiler and the ptxas it ships, and prints registers per thread, s
 shared memory. A config that needs more shared memory than an H100/H200 block may use, or that
 spills registers, fails here instead of on the GPU.
 
-    python benchmarks/kernel_resources.py [--check] [--show-ir DIR] [--arch 90|100|120]
+    python -m fused_swiglu.bench.resources [--check] [--show-ir DIR] [--arch 90|100|120]
 
 ``--check`` exits non-zero if any kernel exceeds the shared-memory limit or a tensor-core variant
 spills registers. ``--show-ir``
@@ -32,12 +32,12 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fused_swiglu.bench.run import SHAPES
-from fused_swiglu.kernels import glu_backward_ws, glu_forward_ws, hopper_ws
-from fused_swiglu.kernels.common import CHUNK, Saved
-from fused_swiglu.kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
-from fused_swiglu.kernels.glu_backward import _glu_backward_kernel
-from fused_swiglu.kernels.glu_forward import _glu_forward_kernel
+from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
+from ..kernels.common import CHUNK, Saved
+from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
+from ..kernels.glu_backward import _glu_backward_kernel
+from ..kernels.glu_forward import _glu_forward_kernel
+from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
 #: consumer Blackwell 99 KB. The library runs its kernels on sm_90 only; the others are here to show why.
