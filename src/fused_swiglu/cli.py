@@ -157,7 +157,13 @@ def _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fused_swiglu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fused_swiglu",
+        description=(
+            "fused-swiglu: Triton kernels for the SwiGLU MLP of LLaMA/Mistral/Qwen-class models "
+            "(also installed as the `fused-swiglu` command)"
+        ),
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
         "check",
@@ -185,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmark against peers and the GEMM-only floor (GPU)",
         description="Time the fused MLP against eager PyTorch, torch.compile, Liger-Kernel, flash-swiglu-mlp "
         "and the six-GEMM cuBLAS floor, interleaved in one process (a peer not installed is reported as "
-        "missing), or with --model whole LlamaForCausalLM training steps, every variant in a fresh "
-        "process. Writes a table, JSON, Markdown and PNG plots under --out.",
+        "missing); with --experts routed SwiGLU experts against the grouped-GEMM floor and transformers' "
+        "and Liger-Kernel's experts; with --model whole LlamaForCausalLM training steps, every variant "
+        "in a fresh process. Writes a table, JSON, Markdown and PNG plots under --out.",
     )
     add_bench_arguments(bench)
     args = parser.parse_args(argv)
