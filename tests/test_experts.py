@@ -109,11 +109,27 @@ def test_no_grad_and_recorded_forward_agree(device):
     assert torch.equal(inference, training.detach())
 
 
-def test_bfloat16_on_cpu_takes_the_reference():
-    x, index, weights, gate_up, down, _ = problem(20, 32, 16, 4, 2, torch.device("cpu"))
-    got = swiglu_experts(x.bfloat16(), index, weights, gate_up.bfloat16(), down.bfloat16())
-    expected = reference_swiglu_experts(x.double(), index, weights.double(), gate_up.double(), down.double())
-    assert relative_error(got, expected) < 1e-2
+@pytest.mark.parametrize("precision", [torch.bfloat16, torch.float64], ids=["bf16-on-cpu", "fp64"])
+def test_without_the_kernels_the_same_steps_run_in_pytorch(precision):
+    """bf16 on CPU (the interpreter's bf16 dot is wrong) and float64 take the unfused path: the
+    reference's values and gradients, and one graph under torch.compile."""
+    args = problem(20, 32, 16, 4, 2, torch.device("cpu"))
+
+    def fused(*a):
+        return swiglu_experts(*a)
+
+    got = step(fused, *args, precision)
+    eager = step(reference_swiglu_experts, *args, precision)
+    oracle = step(reference_swiglu_experts, *args, torch.float64)
+    if precision == torch.float64:
+        assert all(relative_error(got[name], oracle[name]) < 1e-12 for name in NAMES)
+    else:
+        rows = accuracy_rows(got, eager, oracle, precision)
+        assert all(row.ok for row in rows), rows
+    x, index, weights, gate_up, down, _ = (t.to(precision) if t.is_floating_point() else t for t in args)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(swiglu_experts)(x, index, weights, gate_up.requires_grad_(), down)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from .experts_ops import (
     grouped_mm,
 )
 from .functional import _autocast, check_save_mode
-from .layout import CHUNK, check_intermediate_size
+from .layout import CHUNK, check_intermediate_size, split_packed_columns
 from .routing import Routes, route
 from .support import fused_path_available
 
@@ -67,7 +67,8 @@ class WeightedDownFunction(torch.autograd.Function):
         need_da, need_dw, need_ddown = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         grad = grouped_mm(dy, down_weight, ends)  # of a * w
-        dw = torch.linalg.vecdot(grad.float(), a.float()).to(weights.dtype) if need_dw else None
+        wide = torch.promote_types(a.dtype, torch.float32)  # the row sums accumulate in fp32 or wider
+        dw = torch.linalg.vecdot(grad.to(wide), a.to(wide)).to(weights.dtype) if need_dw else None
         # a's last use: a * w in place, then the gradient of a over the gradient of a * w.
         ddown = grouped_mm(dy.t(), a.mul_(weights[:, None]), ends) if need_ddown else None
         del a
@@ -165,12 +166,13 @@ def swiglu_experts(
     [E, H, I] -> [T, H] in x's dtype (module docstring). ``save``: ``"factors"`` or ``"recompute"``.
 
     Where the fused kernels do not run (support.py: e.g. bf16 on CPU, GPUs other than Hopper), the
-    PyTorch reference computes the same function. Under ``torch.autocast``, x and the weights are
+    same steps run with the SwiGLU in PyTorch beside a grouped GEMM (one graph under
+    ``torch.compile`` either way). Under ``torch.autocast``, x and the weights are
     cast to the autocast dtype first, like a matmul's inputs."""
     check_save_mode(save, EXPERTS_SAVE_MODES)
     x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
     _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
-    if x.shape[0] == 0 or not fused_path_available(x, gate_up_weight[0]):
+    if x.shape[0] == 0:
         return reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight)
     # Cast once, above; inside, autocast would recast the grouped GEMMs' operands and outputs.
     with torch.autocast(x.device.type, enabled=False):
@@ -183,7 +185,12 @@ def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: st
     token_of_row = torch.where(routes.sources < slots, routes.sources // top_k, x.shape[0])
     x_rows = _Gather.apply(x, token_of_row, routes.rows, top_k)
     weights = _Gather.apply(top_k_weights.reshape(-1).to(x.dtype), routes.sources, routes.rows, 1)
-    a = _glu(x_rows, gate_up_weight, routes, save)
+    if fused_path_available(x, gate_up_weight[0]):
+        a = _glu(x_rows, gate_up_weight, routes, save)
+    else:  # the same steps with the SwiGLU in PyTorch beside a grouped GEMM (no fused kernel here)
+        packed = grouped_mm(x_rows, gate_up_weight.transpose(1, 2), routes.ends)
+        up, gate = split_packed_columns(packed)
+        a = torch.nn.functional.silu(gate) * up
     y_rows = WeightedDownFunction.apply(a, weights, down_weight, routes.ends)
     return _Sum.apply(y_rows, routes.rows, token_of_row, top_k)
 

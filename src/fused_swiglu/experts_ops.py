@@ -13,6 +13,7 @@ they hold never reaches a result (the grouped GEMMs stop at the last group's end
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from .kernels.common import Saved, tma_ready
 from .kernels.glu_forward import glu_forward
 from .kernels.glu_grad import glu_grad_
-from .library import define
+from .library import define, register_autograd
 from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
 from .passes import KEPT
 
@@ -30,9 +31,9 @@ EXPERTS_SAVE_MODES = ("factors", "recompute")
 def _grouped_mm(a, b, ends):
     """Per expert ``e``, rows ``[ends[e-1], ends[e])``: ``a`` [P, K] @ ``b[e]`` [K, N] -> [P, N], or
     ``a`` [M, P] @ ``b`` [P, N] over those rows -> [E, M, N]. ``torch._grouped_mm`` for bf16 on a GPU
-    (the dtype it takes); otherwise expert by expert, which waits for the GPU to read ``ends``.
-    Rows past the last expert's are zero (or, from ``torch._grouped_mm``, not written)."""
-    if a.is_cuda and a.dtype == torch.bfloat16:
+    (the dtype it takes; Hopper and newer); otherwise expert by expert, which waits for the GPU to
+    read ``ends``. Rows past the last expert's are zero (or, from ``torch._grouped_mm``, not written)."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and _grouped_gemm_hardware(a.device.index):
         return torch._grouped_mm(a, b, offs=ends)
     bounds = [0, *ends.tolist()]
     if b.dim() == 3:
@@ -54,6 +55,29 @@ def _grouped_mm_fake(a, b, ends):
 
 #: The grouped GEMMs of the routed experts, an op of its own so that the compiler takes every dtype.
 grouped_mm = define("grouped_mm(Tensor a, Tensor b, Tensor ends) -> Tensor", _grouped_mm, _grouped_mm_fake)
+
+
+@functools.cache
+def _grouped_gemm_hardware(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    """The gradients of ``a`` [P, K] @ ``b[e]`` (the form the unfused experts differentiate)."""
+    a, b, ends = ctx.saved_tensors
+    if b.dim() != 3:
+        raise RuntimeError("fused_swiglu::grouped_mm is differentiable in its [P, K] x [E, K, N] form only")
+    grad = grad.contiguous()
+    da = grouped_mm(grad, b.transpose(1, 2), ends) if ctx.needs_input_grad[0] else None
+    db = grouped_mm(a.t(), grad, ends) if ctx.needs_input_grad[1] else None
+    return da, db, None
+
+
+register_autograd(grouped_mm, _grouped_mm_backward, _grouped_mm_setup)
 
 
 def _factors(x_rows, gate_up_weight, tile_experts, used_rows, *, write_a: bool):

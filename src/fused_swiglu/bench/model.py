@@ -62,40 +62,48 @@ class RunSpec:
     sequence: int = SEQUENCE
     vocab: int = VOCAB
     lora_rank: int = 0  # > 0: PEFT LoRA of this rank on every linear layer, the base frozen
+    experts: int = 0  # > 0: Qwen3-MoE with this many routed experts of ``intermediate`` per layer
+    top_k: int = 2  # experts per token (with ``experts``)
 
 
 def _config(spec: RunSpec):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     heads = max(1, spec.hidden // HEAD_DIM)
-    return LlamaConfig(
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=spec.hidden // heads,
-        vocab_size=spec.vocab,
-        max_position_embeddings=spec.sequence,
-        attn_implementation="sdpa",
-    )
+    common = {
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": spec.hidden // heads,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.sequence,
+        "attn_implementation": "sdpa",
+    }
+    if not spec.experts:
+        return LlamaConfig(**common)
+    # Every layer routed: the experts are the MLP.
+    moe = {"moe_intermediate_size": spec.intermediate, "num_experts": spec.experts, "mlp_only_layers": []}
+    config = Qwen3MoeConfig(**common, **moe, decoder_sparse_step=1)
+    config.num_experts_per_tok = spec.top_k
+    return config
 
 
 def _build_model(spec: RunSpec):
     """The model of ``spec`` with the variant's MLPs, same weights in every variant (seeded)."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     kind = spec.variant.split("-")[0]
     if kind == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers as liger
 
         # The MLP only: the same comparison as the fused swap (rope, norms and loss stay stock).
-        apply_liger_kernel_to_llama(
-            rope=False, rms_norm=False, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
-        )
+        patch = liger.apply_liger_kernel_to_qwen3_moe if spec.experts else liger.apply_liger_kernel_to_llama
+        patch(rope=False, rms_norm=False, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32  # autocast: fp32 master weights
-    model = LlamaForCausalLM(_config(spec)).to(device=spec.device, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(_config(spec)).to(device=spec.device, dtype=dtype)
     if spec.lora_rank:
         import peft
 
@@ -211,13 +219,24 @@ def _summary(results: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["hidden"], r["intermediate"], r["layers"], r["tokens"], r["precision"], r["variant"])
-        groups.setdefault(key + (r.get("lora_rank", 0),), []).append(r)
+        groups.setdefault(key + (r.get("lora_rank", 0), r.get("experts", 0), r.get("top_k", 2)), []).append(r)
     rows = []
-    for (hidden, inter, layers, tokens, precision, variant, lora_rank), runs in groups.items():
+    for (
+        hidden,
+        inter,
+        layers,
+        tokens,
+        precision,
+        variant,
+        lora_rank,
+        experts,
+        top_k,
+    ), runs in groups.items():
         ok = [r for r in runs if "error" not in r]
         row = {
             "size": f"{hidden}/{inter} x {layers}, {tokens} tokens"
-            + (f", LoRA r={lora_rank}" if lora_rank else ""),
+            + (f", LoRA r={lora_rank}" if lora_rank else "")
+            + (f", {experts} experts top-{top_k}" if experts else ""),
             "precision": precision,
             "variant": variant,
             "runs": len(ok),
@@ -320,6 +339,7 @@ def run_model_bench(
     backend: str = "inductor",
     timeout: float | None = None,
     lora_rank: int = 0,
+    moe: tuple[int, int] | None = None,
     log=print,
 ) -> tuple[list[dict], list[dict]]:
     """Every (size, precision, variant) ``reps`` times, each in a fresh process, the order of the
@@ -341,6 +361,8 @@ def run_model_bench(
                         device=device,
                         backend=backend,
                         lora_rank=lora_rank,
+                        experts=moe[0] if moe else 0,
+                        top_k=moe[1] if moe else 2,
                     )
                     r = run_in_fresh_process(spec, timeout=timeout)
                     results.append(r)

@@ -161,6 +161,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="fine-tune with PEFT LoRA of rank R on every linear layer (base frozen; fused: PEFT, then swap)",
     )
+    model.add_argument(
+        "--moe",
+        type=int,
+        nargs=2,
+        metavar=("EXPERTS", "TOP_K"),
+        help="train Qwen3-MoE models instead: every layer's MLP EXPERTS routed experts of the size's "
+        "intermediate size, TOP_K per token (Liger: apply_liger_kernel_to_qwen3_moe)",
+    )
     model.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (Triton interpreter)")
     model.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variants")
     model.add_argument("--timeout", type=float, default=1200, help="seconds one variant's process may take")
@@ -349,6 +357,7 @@ def run_model(args: argparse.Namespace) -> int:
         backend=args.backend,
         timeout=args.timeout,
         lora_rank=args.lora_rank,
+        moe=tuple(args.moe) if args.moe else None,
         log=lambda line: print(line, flush=True),
     )
     print(model_table(rows), flush=True)
