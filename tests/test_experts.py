@@ -5,6 +5,8 @@ their checkpoint layout, and a compiled model as one graph."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fused_swiglu import SwiGLUExperts, swiglu_experts
 from fused_swiglu.experts import pack_experts, reference_swiglu_experts, unpack_experts
@@ -333,4 +335,33 @@ def test_autocast_casts_like_a_matmul(device):
     eager = step(reference_swiglu_experts, x, index, weights, gate_up, down, dy, dtype)
     oracle = step(reference_swiglu_experts, x, index, weights, gate_up, down, dy, torch.float64)
     rows = accuracy_rows(fused, {k: eager[k] for k in fused}, {k: oracle[k] for k in fused}, dtype)
+    assert all(row.ok for row in rows), rows
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tokens=st.integers(1, 40),
+    hidden=st.sampled_from([8, 16, 24]),
+    inter=st.sampled_from([8, 16, 24]),
+    experts=st.sampled_from([1, 3, 8, 32, 256]),
+    top_k=st.integers(1, 8),
+    precision=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    save=st.sampled_from(["factors", "recompute"]),
+)
+def test_fuzz_against_the_reference(tokens, hidden, inter, experts, top_k, precision, save):
+    """Random sizes, expert counts up to 256, top-k up to 8 (at most the expert count), every dtype:
+    the output and every gradient against float64 (fp16/bf16 by the accuracy rule, fp32 within 1e-5)."""
+    top_k = min(top_k, experts)
+    args = problem(tokens, hidden, inter, experts, top_k, torch.device("cpu"))
+
+    def fused(*a):
+        return swiglu_experts(*a, save=save)
+
+    got = step(fused, *args, precision)
+    oracle = step(reference_swiglu_experts, *args, torch.float64)
+    if precision == torch.float32:
+        assert all(relative_error(got[name], oracle[name]) < 1e-5 for name in NAMES)
+        return
+    eager = step(reference_swiglu_experts, *args, precision)
+    rows = accuracy_rows(got, eager, oracle, precision)
     assert all(row.ok for row in rows), rows
