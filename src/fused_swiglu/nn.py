@@ -9,6 +9,7 @@ the state-dict hooks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -27,6 +28,7 @@ from .functional import (
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
 from .lora import PackedBase, is_lora_layer, low_rank_term
 from .mlp_layouts import CHECKPOINT_KEYS, CheckpointKeys, check_swiglu_mlp, gate_up_weights, multiplier_of
+from .tensor_parallel import is_tensor_parallel, tensor_parallel_glu, tensor_parallel_mlp
 
 _PACKED, _STACKED = "gate_up_proj", "gate_up_proj.weight"
 
@@ -163,9 +165,12 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor,
     low_rank = low_rank_term(x, gate, up, gate_up_weight.shape[0] // 2)
     if low_rank is None and type(mlp.down_proj) is nn.Linear:
         weights = (gate_up_weight, mlp.down_proj.weight)
-        return swiglu_mlp(
-            x, *weights, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier, save=save
-        )
+        scalars = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier, "save": save}
+        if is_tensor_parallel(gate_up_weight):  # each rank its shards, the parts summed (tensor_parallel.py)
+            return tensor_parallel_mlp(functools.partial(swiglu_mlp, **scalars), x, *weights)
+        return swiglu_mlp(x, *weights, **scalars)
+    if is_tensor_parallel(gate_up_weight):
+        raise TypeError("fused_swiglu: a tensor-parallel SwiGLUMLP runs without adapters on its projections")
     if low_rank is None and is_lora_layer(mlp.down_proj) and not torch.compiler.is_compiling():
         _warn_adapters_after_swap(mlp)
     linear_save = "recompute" if save == "recompute" else "factors"
@@ -305,12 +310,10 @@ class SwiGLULinear(nn.Module):
         _reset_packed_gate_up(self.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_linear(
-            x,
-            self.gate_up_proj,
-            gate_multiplier=self.gate_multiplier,
-            save=self.save,
-        )
+        fn = functools.partial(swiglu_linear, gate_multiplier=self.gate_multiplier, save=self.save)
+        if is_tensor_parallel(self.gate_up_proj):  # a DTensor sharded on its last dim (tensor_parallel.py)
+            return tensor_parallel_glu(fn, x, self.gate_up_proj)
+        return fn(x, self.gate_up_proj)
 
     def extra_repr(self) -> str:
         return (
