@@ -1,6 +1,9 @@
 """Tensor parallelism (tensor_parallel.py): SwiGLUMLP and SwiGLULinear sharded over two CPU processes
 (gloo, kernels under the Triton interpreter) give the unsharded module's output and gradients, keep
-the Hugging Face checkpoint keys, and refuse sizes that would split a packed chunk pair."""
+the Hugging Face checkpoint keys (a distributed checkpoint of two ranks loads in one process), and
+refuse sizes that would split a packed chunk pair; FSDP2 over tensor parallelism on a [2, 2] mesh of
+four processes does the same; the swap leaves stock MLPs that are already sharded alone, saying what
+to do instead."""
 
 import os
 import sys
@@ -13,7 +16,7 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _worker(rank: int, store_file: str, save: str) -> None:
+def _worker(rank: int, store_file: str, save: str, checkpoint: str) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
     try:
@@ -50,6 +53,24 @@ def _worker(rank: int, store_file: str, save: str) -> None:
                 assert torch.equal(value.full_tensor(), expected_state[key]), key
             model.load_state_dict(state)
             assert torch.equal(model.gate_up_proj.full_tensor(), reference.gate_up_proj)
+            if cls is SwiGLUMLP:  # a sharded checkpoint, loaded in one process by the test
+                import torch.distributed.checkpoint as dcp
+
+                dcp.save(model.state_dict(), checkpoint_id=checkpoint)
+        # A stock MLP already sharded (as transformers' tp_plan leaves it) is left alone, with what to do.
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from fused_swiglu import swap_swiglu_mlps
+
+        stock = torch.nn.Module()
+        stock.mlp = torch.nn.Module()
+        for name, shape in (("gate_proj", (48, 40)), ("up_proj", (48, 40)), ("down_proj", (40, 48))):
+            layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+            layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, mesh, [Shard(0)]))
+            setattr(stock.mlp, name, layer)
+        stock.mlp.act_fn = torch.nn.SiLU()
+        report = swap_swiglu_mlps(stock)
+        assert not report and "parallelize_swiglu" in report.skipped["mlp"]
         try:
             parallelize_swiglu(SwiGLUMLP(40, 40), mesh)
         except ValueError as error:
@@ -68,4 +89,68 @@ def test_two_cpu_ranks(device, save, tmp_path):
         pytest.skip("CPU processes over gloo")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), save), nprocs=WORLD)
+    checkpoint = tmp_path / "checkpoint"
+    mp.spawn(_worker, args=(str(tmp_path / "store"), save, str(checkpoint)), nprocs=WORLD)
+    # The two ranks' checkpoint, loaded into an unsharded module in this one process.
+    import torch.distributed.checkpoint as dcp
+
+    from fused_swiglu import SwiGLUMLP
+
+    torch.manual_seed(0)
+    torch.randn(37, 40)
+    reference = SwiGLUMLP(40, 48, save=save)
+    loaded = SwiGLUMLP(40, 48, save=save)
+    state = loaded.state_dict()
+    assert set(state) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    loaded.load_state_dict(state)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def _worker_2d(rank: int, store_file: str) -> None:
+    """FSDP2 over 2 ranks times tensor parallel over 2: a [2, 2] mesh of four processes."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from fused_swiglu import SwiGLUMLP
+        from fused_swiglu.tensor_parallel import parallelize_swiglu
+        from fused_swiglu.testing import relative_error
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        reference = SwiGLUMLP(40, 48)
+        model = SwiGLUMLP(40, 48)
+        model.load_state_dict(reference.state_dict())
+        parallelize_swiglu(model, mesh["tp"])
+        fully_shard(model, mesh=mesh["dp"])
+        # Data parallel: each dp group its own batch, the same within a tp group.
+        x = torch.randn(29, 40, generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
+        y = model(x)
+        expected = reference(x)
+        assert relative_error(y, expected) < 1e-6
+        y.sum().backward()
+        expected.sum().backward()
+        for name, param in model.named_parameters():
+            averaged = dict(reference.named_parameters())[name].grad.clone()
+            dist.all_reduce(averaged, group=mesh["dp"].get_group())
+            assert relative_error(param.grad.full_tensor(), averaged / 2) < 1e-6, name
+        state, expected_state = model.state_dict(), reference.state_dict()
+        assert state.keys() == expected_state.keys()
+        for key, value in state.items():
+            assert torch.equal(value.full_tensor(), expected_state[key]), key
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_fsdp2_and_tensor_parallel_on_a_2d_mesh(device, tmp_path):
+    if device.type != "cpu":
+        pytest.skip("CPU processes over gloo")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    mp.spawn(_worker_2d, args=(str(tmp_path / "store"),), nprocs=4)

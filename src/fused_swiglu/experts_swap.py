@@ -14,6 +14,7 @@ from torch import nn
 from .experts import SwiGLUExperts, pack_experts, swiglu_experts
 from .layout import CHUNK
 from .mlp_layouts import is_silu
+from .tensor_parallel import DISTRIBUTED, is_distributed
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")
 #: transformers' expert-layout flags (``use_experts_implementation``) and the values the fused experts take.
@@ -73,6 +74,8 @@ def experts_mismatch(module: nn.Module) -> str | None:
         return f"its weights are {gate_up.dtype} and {down.dtype}"
     if gate_up.requires_grad != down.requires_grad:
         return "gate_up_proj and down_proj must both be trainable or both frozen"
+    if is_distributed(gate_up) or is_distributed(down):
+        return DISTRIBUTED
     if hasattr(module, "_hf_hook"):
         return "its weights are managed by accelerate hooks (offloading); swap before dispatching the model"
     return None

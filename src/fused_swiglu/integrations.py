@@ -27,6 +27,7 @@ from .mlp_layouts import (
     layout_of,
 )
 from .nn import SwiGLUMLP, fused_forward
+from .tensor_parallel import DISTRIBUTED, is_distributed
 
 _LOG = logging.getLogger("fused_swiglu")
 
@@ -100,6 +101,8 @@ def _mismatch(module: nn.Module) -> str | None:
         return f"intermediate size {inter} is not a multiple of {CHUNK}"
     if gate.requires_grad != up.requires_grad:
         return "gate_proj and up_proj must both be trainable or both frozen to be packed"
+    if any(is_distributed(base_of(m).weight) for m in linears):
+        return DISTRIBUTED
     if any(hasattr(m, "_hf_hook") for m in (module, *linears)):
         return "its weights are managed by accelerate hooks (offloading); swap before dispatching the model"
     return None

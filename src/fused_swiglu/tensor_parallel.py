@@ -61,6 +61,21 @@ def parallelize_swiglu(module: nn.Module, mesh) -> nn.Module:
     return module
 
 
+#: Why the swap leaves a module with distributed weights alone.
+DISTRIBUTED = (
+    "its weights are already distributed (DTensor: FSDP2 or a tensor-parallel plan such as transformers' "
+    "tp_plan); swap before sharding, then shard the fused modules (fused_swiglu.tensor_parallel."
+    "parallelize_swiglu for tensor parallelism, fully_shard for FSDP2)"
+)
+
+
+def is_distributed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a DTensor."""
+    if type(weight) in (nn.Parameter, torch.Tensor) or not torch.distributed.is_available():
+        return False
+    return isinstance(weight, _dtensor_api()[0])
+
+
 def is_tensor_parallel(weight: torch.Tensor) -> bool:
     """Whether ``weight`` (a module's packed parameter) was sharded by ``parallelize_swiglu``."""
     if type(weight) in (nn.Parameter, torch.Tensor) or not torch.distributed.is_available():
