@@ -16,9 +16,16 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _worker(rank: int, store_file: str, save: str, checkpoint: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
+def _worker(
+    rank: int, store_file: str, save: str, checkpoint: str, backend: str = "gloo", world: int = WORLD
+):
+    if backend == "gloo":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device = "cpu"
+    else:
+        device = "cuda"
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -26,13 +33,13 @@ def _worker(rank: int, store_file: str, save: str, checkpoint: str) -> None:
         from fused_swiglu.tensor_parallel import parallelize_swiglu
         from fused_swiglu.testing import relative_error
 
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(device, (world,))
         torch.manual_seed(0)
-        x = torch.randn(37, 40)  # the same input on every rank
+        x = torch.randn(37, 40).to(device)  # the same input on every rank
         for cls in (SwiGLUMLP, SwiGLULinear):
             extra = {"save": save} if cls is SwiGLUMLP or save != "preact" else {}
-            reference = cls(40, 48, **extra)
-            model = cls(40, 48, **extra)
+            reference = cls(40, 48, **extra, device=device)
+            model = cls(40, 48, **extra, device=device)
             model.load_state_dict(reference.state_dict())
             parallelize_swiglu(model, mesh)
             leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -65,18 +72,19 @@ def _worker(rank: int, store_file: str, save: str, checkpoint: str) -> None:
         stock = torch.nn.Module()
         stock.mlp = torch.nn.Module()
         for name, shape in (("gate_proj", (48, 40)), ("up_proj", (48, 40)), ("down_proj", (40, 48))):
-            layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+            layer = torch.nn.Linear(shape[1], shape[0], bias=False, device=device)
             layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, mesh, [Shard(0)]))
             setattr(stock.mlp, name, layer)
         stock.mlp.act_fn = torch.nn.SiLU()
         report = swap_swiglu_mlps(stock)
         assert not report and "parallelize_swiglu" in report.skipped["mlp"]
-        try:
-            parallelize_swiglu(SwiGLUMLP(40, 40), mesh)
-        except ValueError as error:
-            assert "whole packed chunk pairs" in str(error)
-        else:
-            raise AssertionError("an intermediate size that splits a chunk pair was accepted")
+        if world > 1:
+            try:
+                parallelize_swiglu(SwiGLUMLP(40, 8 * (2 * world - 1), device=device), mesh)
+            except ValueError as error:
+                assert "whole packed chunk pairs" in str(error)
+            else:
+                raise AssertionError("an intermediate size that splits a chunk pair was accepted")
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -154,3 +162,13 @@ def test_fsdp2_and_tensor_parallel_on_a_2d_mesh(device, tmp_path):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     mp.spawn(_worker_2d, args=(str(tmp_path / "store"),), nprocs=4)
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_over_nccl(tmp_path):
+    """One process per GPU, up to two (one GPU: the DTensor paths around the kernels over NCCL)."""
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    world = min(2, torch.cuda.device_count())
+    args = (str(tmp_path / "store"), "factors", str(tmp_path / "checkpoint"), "nccl", world)
+    mp.spawn(_worker, args=args, nprocs=world)
