@@ -37,8 +37,8 @@ def launches(m: int, h: int, i: int) -> dict:
         "forward factors": lambda: glu_forward(p.x, w, save=Saved.FACTORS, **scales),
         "forward inference": lambda: glu_forward(p.x, w, save=Saved.NOTHING, **scales),
         "cuBLAS x @ W_packed^T": lambda: torch.mm(p.x, w.t()),
-        "backward factors": lambda: glu_backward_(p.dy, p.w_down, factors, kind=Saved.FACTORS, **scales),
-        "backward preact": lambda: glu_backward_(p.dy, p.w_down, preact, kind=Saved.PREACT, **scales),
+        "backward factors": lambda: glu_backward_(p.dy, p.w_down, factors, save=Saved.FACTORS, **scales),
+        "backward preact": lambda: glu_backward_(p.dy, p.w_down, preact, save=Saved.PREACT, **scales),
         "cuBLAS dY @ W_down": lambda: torch.mm(p.dy, p.w_down),
     }
 

@@ -177,7 +177,7 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list, kernel
             def run(cfg=cfg, kind=kind, row=row, work=work, pristine=pristine, silu=silu, copy_ms=copy_ms):
                 def launch():
                     work.copy_(pristine)
-                    glu_backward_(p.dy, p.w_down, work, gate_scale=1.0, out_scale=1.0, kind=kind, config=cfg)
+                    glu_backward_(p.dy, p.w_down, work, gate_scale=1.0, out_scale=1.0, save=kind, config=cfg)
 
                 t0 = time.time()
                 launch()

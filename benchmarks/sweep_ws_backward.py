@@ -54,13 +54,13 @@ def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
     work = pristine.clone()
     fns = {
         "triton": lambda: glu_backward_(
-            p.dy, p.w_down, work, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS
+            p.dy, p.w_down, work, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS
         )
     }
     fns |= {
         label: (
             lambda c=c: glu_backward_ws_(
-                p.dy, p.w_down, work, kind=Saved.FACTORS, gate_scale=1.0, out_scale=1.0, config=c
+                p.dy, p.w_down, work, save=Saved.FACTORS, gate_scale=1.0, out_scale=1.0, config=c
             )
         )
         for label, c in SWEPT.items()

@@ -47,7 +47,7 @@ def backward_family(p, kind: Saved):
     def restored(launch):
         def run():
             work.copy_(pristine)
-            return launch(p.dy, p.w_down, work, kind=kind, **SCALES)
+            return launch(p.dy, p.w_down, work, save=kind, **SCALES)
 
         return run
 

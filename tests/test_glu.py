@@ -27,7 +27,7 @@ MULTIPLIERS = [pytest.param(1.0, id="gm1"), pytest.param(0.5, id="gm0.5")]
 
 def test_glu_grad_kernel_needs_something_saved(device):
     with pytest.raises(ValueError, match="needs saved"):
-        glu_grad_(torch.zeros(4, 32, device=device), torch.zeros(4, 64, device=device), kind=Saved.NOTHING)
+        glu_grad_(torch.zeros(4, 32, device=device), torch.zeros(4, 64, device=device), save=Saved.NOTHING)
 
 
 def test_glu_grad_kernel_multiplies_both_halves_in_place(shape, dtype, device):

@@ -35,7 +35,7 @@ MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id
 
 def _backward_launch(pick):
     """The Gluon backward with the launch shape ``pick(kind)`` (None: the library's choice)."""
-    return lambda *args, kind, **kwargs: glu_backward_ws_(*args, kind=kind, config=pick(kind), **kwargs)
+    return lambda *args, save, **kwargs: glu_backward_ws_(*args, save=save, config=pick(save), **kwargs)
 
 
 # Three implementations of one contract: the fused Triton kernels, the warp-specialized Gluon ones
@@ -123,7 +123,7 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
     da = dm * p.dy @ p.w_down  # eager rounds dA to the dtype before the multiplies
     eager_first, eager_second = (t.to(dtype) for t in (silu64, fgate64))
 
-    recomputed = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=gm, out_scale=dm, kind=kind)
+    recomputed = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=gm, out_scale=dm, save=kind)
 
     d_up, d_gate = split_packed_columns(saved)
     assert_like_eager(d_up, da * eager_first, da64 * silu64, dtype, "dU")
@@ -191,14 +191,14 @@ def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations
     saved = torch.zeros(128, 512, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="a_buffers"):
         glu_backward_ws_(
-            p.dy, p.w_down, saved, kind=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=WSConfig()
+            p.dy, p.w_down, saved, save=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=WSConfig()
         )
     with pytest.raises(ValueError, match="saved factors only"):
         glu_backward_ws_(
-            p.dy, p.w_down, saved, kind=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=PING_PONG
+            p.dy, p.w_down, saved, save=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=PING_PONG
         )
     with pytest.raises(ValueError, match="saved factors or pre-activations"):
-        glu_backward_ws_(p.dy, p.w_down, saved, kind=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
+        glu_backward_ws_(p.dy, p.w_down, saved, save=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
 
 
 @pytest.mark.parametrize("impl", BACKWARDS)
@@ -212,9 +212,9 @@ def test_backward_kernel_writes_a_gradient_of_its_own(shape, dtype, device, kind
     p = make_problem(*shape, dtype=dtype, device=device)
     _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
     kept, in_place = saved.clone(), saved.clone()
-    a_in_place = BACKWARDS[impl](p.dy, p.w_down, in_place, gate_scale=0.7, out_scale=1.3, kind=kind)
+    a_in_place = BACKWARDS[impl](p.dy, p.w_down, in_place, gate_scale=0.7, out_scale=1.3, save=kind)
     grad = torch.full_like(saved, float("nan"))
-    a = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, kind=kind, grad=grad)
+    a = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, save=kind, grad=grad)
     assert torch.equal(saved, kept)
     assert torch.isfinite(grad).all()
     torch.testing.assert_close(grad, in_place, rtol=0, atol=0)  # the same launch otherwise: bitwise
@@ -239,7 +239,7 @@ def test_backward_kernel_refuses_a_gradient_buffer_that_does_not_fit(device, imp
     kept = saved.clone()
     with pytest.raises(ValueError, match=message):
         BACKWARDS[impl](
-            p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS, grad=make_grad(saved)
+            p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS, grad=make_grad(saved)
         )
     assert torch.equal(saved, kept)
 
@@ -275,7 +275,7 @@ def test_warp_specialized_launchers_pass_every_kernel_argument(name, save, confi
         glu_forward_ws(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)
     else:
         saved = torch.zeros(300, 1024, dtype=torch.bfloat16)
-        glu_backward_ws_(p.dy, p.w_down, saved, kind=save, gate_scale=0.7, out_scale=1.3, config=config)
+        glu_backward_ws_(p.dy, p.w_down, saved, save=save, gate_scale=0.7, out_scale=1.3, config=config)
     [(grid, args, kwargs)] = launches
     assert grid == (3,)  # persistent: three programs on CPU (the interpreter's count)
     # The positional arguments fill the kernel's first parameters, the keywords all the others
@@ -290,12 +290,12 @@ def test_backward_kernel_runs_first_in_a_fresh_thread(device):
     p = make_problem(64, 40, 72, dtype=torch.float32, device=device)
     _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
     expected = saved.clone()
-    glu_backward_(p.dy, p.w_down, expected, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS)
+    glu_backward_(p.dy, p.w_down, expected, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
     errors = []
 
     def launch():
         try:
-            glu_backward_(p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, kind=Saved.FACTORS)
+            glu_backward_(p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
         except Exception as e:  # noqa: BLE001 - reported by the test's own thread below
             errors.append(e)
 
@@ -310,7 +310,7 @@ def test_backward_kernel_runs_first_in_a_fresh_thread(device):
 def test_backward_kernel_needs_something_saved(device):
     p = make_problem(4, 16, 16, dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="saved"):
-        glu_backward_(p.dy, p.w_down, torch.zeros(4, 32), gate_scale=1.0, out_scale=1.0, kind=Saved.NOTHING)
+        glu_backward_(p.dy, p.w_down, torch.zeros(4, 32), gate_scale=1.0, out_scale=1.0, save=Saved.NOTHING)
 
 
 @pytest.mark.parametrize(
@@ -330,8 +330,8 @@ def test_backward_kernel_variants_agree(device, kind, config):
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
     expected = saved.clone()
-    a_expected = glu_backward_(p.dy, p.w_down, expected, gate_scale=0.7, out_scale=1.3, kind=kind)
-    a = glu_backward_(p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, kind=kind, config=config)
+    a_expected = glu_backward_(p.dy, p.w_down, expected, gate_scale=0.7, out_scale=1.3, save=kind)
+    a = glu_backward_(p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, save=kind, config=config)
     assert relative_error(saved, expected) < 1e-6
     if kind == Saved.PREACT:
         assert relative_error(a, a_expected) < 1e-6

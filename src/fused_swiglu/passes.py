@@ -71,14 +71,14 @@ def _forward(x, w_gate_up, *, save: Saved, write_a: bool = True, low_rank=None, 
     return launch(x, w_gate_up, **options, **scales)
 
 
-def _backward_(dy, w_down, saved, *, kind, caller_key=None, **scales):
+def _backward_(dy, w_down, saved, *, save, caller_key=None, **scales):
     """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus a gradient pass (same contract: the gradient over ``saved``)."""
     on_gpu = not interpreting()
-    if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, kind):
-        return glu_backward_ws_(dy, w_down, saved, kind=kind, caller_key=caller_key, **scales)
+    if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, save):
+        return glu_backward_ws_(dy, w_down, saved, save=save, caller_key=caller_key, **scales)
     launch = glu_backward_split_ if gemms_on_cublas(dy.dtype, on_gpu) else glu_backward_
-    return launch(dy, w_down, saved, kind=kind, caller_key=caller_key, **scales)
+    return launch(dy, w_down, saved, save=save, caller_key=caller_key, **scales)
 
 
 def _glu_no_grad(x, w_gate_up, gate_scale: float, out_scale: float, caller_key=None, low_rank=None):
@@ -124,7 +124,7 @@ def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, ne
         return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
     assert not (kept == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
     # a, recomputed for saved pre-activations
-    recomputed = _backward_(dy, w_down, saved, kind=kept, caller_key=caller_key, **scales)
+    recomputed = _backward_(dy, w_down, saved, save=kept, caller_key=caller_key, **scales)
     dw_down = torch.mm(dy.t(), recomputed) if need_dw_down else None
     del recomputed
     dx = torch.mm(saved, w_gate_up) if need_dx else None  # saved now holds [dU | dG], packed
@@ -180,7 +180,7 @@ def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gat
         rows, cols = slice(2 * k * width, 2 * (k + 1) * width), slice(k * width, (k + 1) * width)
         w_piece = w_gate_up[rows]  # row and column blocks of TMA-ready weights stay TMA-ready
         a, grad = _forward(x, w_piece, save=Saved.FACTORS, **scales)
-        _backward_(dy, w_down[:, cols], grad, kind=Saved.FACTORS, **scales)  # grad: the piece's [dU | dG]
+        _backward_(dy, w_down[:, cols], grad, save=Saved.FACTORS, **scales)  # grad: the piece's [dU | dG]
         if need_dw_down:
             torch.mm(dy.t(), a, out=dw_down[:, cols])  # a carries the down multiplier
         del a

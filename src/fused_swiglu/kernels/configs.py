@@ -136,13 +136,13 @@ def forward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save: 
     return save != Saved.NOTHING and write_a and _warp_specialized_runs(m, dtype, on_gpu)
 
 
-def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, kind: Saved) -> bool:
+def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save: Saved) -> bool:
     """Whether backward stage 1 runs the warp-specialized Gluon kernel (kernels/glu_backward_ws.py)
     instead of the Triton one.
 
     Faster for both kinds of saved tensor at the benchmark shapes (docs/design/kernel-choice.md).
     """
-    return _warp_specialized_runs(m, dtype, on_gpu) and kind in (Saved.FACTORS, Saved.PREACT)
+    return _warp_specialized_runs(m, dtype, on_gpu) and save in (Saved.FACTORS, Saved.PREACT)
 
 
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many

@@ -148,7 +148,7 @@ def glu_backward_(
     *,
     gate_scale: float,
     out_scale: float,
-    kind: Saved,
+    save: Saved,
     config: TileConfig | None = None,
     grad: torch.Tensor | None = None,
     caller_key=None,
@@ -157,16 +157,16 @@ def glu_backward_(
     ``grad`` (the same shape) where given, leaving ``saved`` as it was.
 
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable. Returns the recomputed
-    ``out_scale * a`` [M, I] when ``kind`` is ``Saved.PREACT``, else ``None``.
+    ``out_scale * a`` [M, I] when ``save`` is ``Saved.PREACT``, else ``None``.
     """
-    if kind == Saved.NOTHING:
+    if save == Saved.NOTHING:
         raise ValueError("the backward needs saved factors or pre-activations")
     m, hidden = dy.shape
     inter = w_down.shape[1]
     precision = dot_precision(dy.dtype)
-    cfg = config or backward_config(m, hidden, inter, dy.dtype, not interpreting(), kind)
+    cfg = config or backward_config(m, hidden, inter, dy.dtype, not interpreting(), save)
     width = cfg.block_n // cfg.epilogue_split
-    a = empty((m, inter), dy) if kind == Saved.PREACT else None
+    a = empty((m, inter), dy) if save == Saved.PREACT else None
     num_tiles = cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n)
     _launch_backward(
         (persistent_programs(num_tiles, dy.device, cfg.ctas_per_sm),),
@@ -180,7 +180,7 @@ def glu_backward_(
         hidden,
         float(gate_scale),
         float(out_scale),
-        SAVED=int(kind),
+        SAVED=int(save),
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,
         **cfg.kernel_meta(),

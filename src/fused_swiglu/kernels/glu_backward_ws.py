@@ -73,11 +73,11 @@ PING_PONG_MAX_HIDDEN = 4096
 PING_PONG = PingPongConfig()
 
 
-def backward_config(kind: Saved, hidden: int) -> WSConfig:
+def backward_config(save: Saved, hidden: int) -> WSConfig:
     """The launch shape for this kind of saved tensor and hidden size."""
-    if kind == Saved.FACTORS and hidden <= PING_PONG_MAX_HIDDEN:
+    if save == Saved.FACTORS and hidden <= PING_PONG_MAX_HIDDEN:
         return PING_PONG
-    return CONFIGS[kind]
+    return CONFIGS[save]
 
 
 if AVAILABLE:
@@ -301,7 +301,7 @@ def glu_backward_ws_(
     w_down: torch.Tensor,
     saved: torch.Tensor,
     *,
-    kind: Saved,
+    save: Saved,
     gate_scale: float,
     out_scale: float,
     config: WSConfig | None = None,
@@ -314,14 +314,14 @@ def glu_backward_ws_(
     Returns the recomputed ``out_scale * a`` [M, I] for saved pre-activations, ``None`` for factors.
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable.
     """
-    if kind not in CONFIGS:
-        raise ValueError(f"the backward kernel reads saved factors or pre-activations, got {kind!r}")
+    if save not in CONFIGS:
+        raise ValueError(f"the backward kernel reads saved factors or pre-activations, got {save!r}")
     m, hidden = dy.shape
     inter = w_down.shape[1]
-    c = config or backward_config(kind, hidden)
-    if kind == Saved.PREACT and isinstance(c, PingPongConfig):
+    c = config or backward_config(save, hidden)
+    if save == Saved.PREACT and isinstance(c, PingPongConfig):
         raise ValueError("the ping-pong launch reads saved factors only")
-    if kind == Saved.PREACT and not c.a_buffers:
+    if save == Saved.PREACT and not c.a_buffers:
         raise ValueError("saved pre-activations need a_buffers for the recomputed a")
     width = c.piece_width
     descriptors = (
@@ -344,7 +344,7 @@ def glu_backward_ws_(
             **c.meta(),
         )
         return None
-    a = empty((m, inter), dy) if kind == Saved.PREACT else None
+    a = empty((m, inter), dy) if save == Saved.PREACT else None
     _launch_backward_ws(
         grid,
         *descriptors,

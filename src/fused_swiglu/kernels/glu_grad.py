@@ -84,7 +84,7 @@ def glu_grad_(
     da: torch.Tensor,
     saved: torch.Tensor,
     *,
-    kind: Saved = Saved.FACTORS,
+    save: Saved = Saved.FACTORS,
     gate_scale: float = 1.0,
     out_scale: float = 1.0,
     grad: torch.Tensor | None = None,
@@ -93,10 +93,10 @@ def glu_grad_(
     """[dU | dG] for ``out_scale * da`` from ``saved`` [M, 2I] (packed, from the forward), written
     over ``saved``, or into ``grad`` (the same shape and strides) where given. Returns the gradient.
 
-    ``kind`` says what ``saved`` holds. With ``Saved.PREACT``, ``da`` [M, I] is overwritten with the
+    ``save`` says what ``saved`` holds. With ``Saved.PREACT``, ``da`` [M, I] is overwritten with the
     recomputed ``out_scale * a``.
     """
-    if kind == Saved.NOTHING:
+    if save == Saved.NOTHING:
         raise ValueError("the gradient pass needs saved factors or pre-activations")
     m, inter = da.shape
     if saved.shape != (m, 2 * inter) or saved.stride(-1) != 1 or da.stride(-1) != 1:
@@ -116,7 +116,7 @@ def glu_grad_(
         saved.stride(0),
         float(gate_scale),
         float(out_scale),
-        SAVED=int(kind),
+        SAVED=int(save),
         BM=block_m,
         BN=block_n,
         CHUNK_=CHUNK,

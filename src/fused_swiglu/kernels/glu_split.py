@@ -55,7 +55,7 @@ def glu_backward_split_(
     *,
     gate_scale: float,
     out_scale: float,
-    kind: Saved,
+    save: Saved,
     grad: torch.Tensor | None = None,
     caller_key=None,
 ) -> torch.Tensor | None:
@@ -63,6 +63,6 @@ def glu_backward_split_(
     returns the recomputed ``out_scale * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
     da = torch.mm(dy, w_down)
     glu_grad_(
-        da, saved, kind=kind, gate_scale=gate_scale, out_scale=out_scale, grad=grad, caller_key=caller_key
+        da, saved, save=save, gate_scale=gate_scale, out_scale=out_scale, grad=grad, caller_key=caller_key
     )
-    return da if kind == Saved.PREACT else None
+    return da if save == Saved.PREACT else None
