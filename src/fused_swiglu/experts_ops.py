@@ -80,19 +80,18 @@ def _grouped_mm_backward(ctx, grad):
 register_autograd(grouped_mm, _grouped_mm_backward, _grouped_mm_setup)
 
 
-def _factors(x_rows, gate_up_weight, tile_experts, used_rows, *, write_a: bool):
+def _forward(x_rows, gate_up_weight, tile_experts, used_rows, save: Saved, write_a: bool = True):
+    """The forward kernel over every expert's rows (experts carry no multipliers)."""
     experts = (tile_experts, used_rows, gate_up_weight.shape[0])
-    scales = {"gate_scale": 1.0, "out_scale": 1.0}
-    return glu_forward(x_rows, gate_up_weight, save=Saved.FACTORS, write_a=write_a, experts=experts, **scales)
+    options = {"save": save, "write_a": write_a, "experts": experts, "gate_scale": 1.0, "out_scale": 1.0}
+    return glu_forward(x_rows, gate_up_weight, **options)
 
 
 @_on_tensor_device
 def _experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save):
     """``a`` [P, I] and the kept factors [P, 2I] (empty for ``"recompute"``)."""
     x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    experts = (tile_experts, used_rows, gate_up_weight.shape[0])
-    scales = {"gate_scale": 1.0, "out_scale": 1.0}
-    a, kept = glu_forward(x_rows, gate_up_weight, save=KEPT[save], experts=experts, **scales)
+    a, kept = _forward(x_rows, gate_up_weight, tile_experts, used_rows, KEPT[save])
     return a, _empty_if_none(kept, x_rows)
 
 
@@ -117,7 +116,7 @@ def _experts_glu_backward(
     """dX [P, H] and the packed dW [E, 2I, H] (empty where not needed); overwrites ``kept``."""
     x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
     if KEPT[save] == Saved.NOTHING:
-        _, kept = _factors(x_rows, gate_up_weight, tile_experts, used_rows, write_a=False)
+        _, kept = _forward(x_rows, gate_up_weight, tile_experts, used_rows, Saved.FACTORS, write_a=False)
     else:
         _overwrite_once(kept)
     grad = glu_grad_(da.contiguous(), kept)  # [dU | dG] per row, packed, over the factors

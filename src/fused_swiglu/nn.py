@@ -310,10 +310,10 @@ class SwiGLULinear(nn.Module):
         _reset_packed_gate_up(self.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = functools.partial(swiglu_linear, gate_multiplier=self.gate_multiplier, save=self.save)
+        scalars = {"gate_multiplier": self.gate_multiplier, "save": self.save}
         if is_tensor_parallel(self.gate_up_proj):  # a DTensor sharded on its last dim (tensor_parallel.py)
-            return tensor_parallel_glu(fn, x, self.gate_up_proj)
-        return fn(x, self.gate_up_proj)
+            return tensor_parallel_glu(functools.partial(swiglu_linear, **scalars), x, self.gate_up_proj)
+        return swiglu_linear(x, self.gate_up_proj, **scalars)
 
     def extra_repr(self) -> str:
         return (
