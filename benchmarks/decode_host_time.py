@@ -55,10 +55,12 @@ def layers(m: int) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
         "swiglu_mlp": lambda: swiglu_mlp(x, w_gate_up, w_down),
         "no_grad_path": lambda: swiglu_mlp_no_grad(x, w_gate_up, w_down, 1.0, 1.0),
         "mm+act+mm": lambda: torch.mm(
-            glu_activation(torch.mm(x, w_gate_up.t()), gate_scale=1.0, out_scale=1.0), w_down.t()
+            glu_activation(torch.mm(x, w_gate_up.t()), gate_multiplier=1.0, down_multiplier=1.0), w_down.t()
         ),
-        "act_only": lambda: glu_activation(h, gate_scale=1.0, out_scale=1.0),
-        "fused_kernel": lambda: glu_forward(x, w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.NOTHING),
+        "act_only": lambda: glu_activation(h, gate_multiplier=1.0, down_multiplier=1.0),
+        "fused_kernel": lambda: glu_forward(
+            x, w_gate_up, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.NOTHING
+        ),
         "mm+mm": lambda: torch.mm(torch.mm(x, w_gate_up.t())[:, :INTER], w_down.t()),
     }
     eager = EagerSwiGLUMLP(HIDDEN, INTER, device="cuda", dtype=torch.bfloat16)

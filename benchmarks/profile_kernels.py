@@ -30,15 +30,15 @@ from fused_swiglu.testing import make_problem
 def launches(m: int, h: int, i: int) -> dict:
     p = make_problem(m, h, i, dtype=torch.bfloat16, device="cuda", seed=1)
     w = p.w_gate_up.contiguous()
-    scales = {"gate_scale": 1.0, "out_scale": 1.0}
-    _, factors = glu_forward(p.x, w, save=Saved.FACTORS, **scales)
-    _, preact = glu_forward(p.x, w, save=Saved.PREACT, **scales)
+    multipliers = {"gate_multiplier": 1.0, "down_multiplier": 1.0}
+    _, factors = glu_forward(p.x, w, save=Saved.FACTORS, **multipliers)
+    _, preact = glu_forward(p.x, w, save=Saved.PREACT, **multipliers)
     return {
-        "forward factors": lambda: glu_forward(p.x, w, save=Saved.FACTORS, **scales),
-        "forward inference": lambda: glu_forward(p.x, w, save=Saved.NOTHING, **scales),
+        "forward factors": lambda: glu_forward(p.x, w, save=Saved.FACTORS, **multipliers),
+        "forward inference": lambda: glu_forward(p.x, w, save=Saved.NOTHING, **multipliers),
         "cuBLAS x @ W_packed^T": lambda: torch.mm(p.x, w.t()),
-        "backward factors": lambda: glu_backward_(p.dy, p.w_down, factors, save=Saved.FACTORS, **scales),
-        "backward preact": lambda: glu_backward_(p.dy, p.w_down, preact, save=Saved.PREACT, **scales),
+        "backward factors": lambda: glu_backward_(p.dy, p.w_down, factors, save=Saved.FACTORS, **multipliers),
+        "backward preact": lambda: glu_backward_(p.dy, p.w_down, preact, save=Saved.PREACT, **multipliers),
         "cuBLAS dY @ W_down": lambda: torch.mm(p.dy, p.w_down),
     }
 

@@ -92,7 +92,7 @@ def sweep_decode(name: str, h: int, i: int, reps: int, rows: list, batch_sizes) 
         row = {"shape": shape, "kernel": "forward", "config": "cuBLAS + activation", "save": "NOTHING"}
 
         def unfused(p=p, wp=wp):
-            return glu_activation(torch.mm(p.x, wp.t()), gate_scale=1.0, out_scale=1.0)
+            return glu_activation(torch.mm(p.x, wp.t()), gate_multiplier=1.0, down_multiplier=1.0)
 
         row["a_err"] = relative_error(unfused(), ref_a)
         row["ms"] = bench(unfused, reps)
@@ -104,7 +104,9 @@ def sweep_decode(name: str, h: int, i: int, reps: int, rows: list, batch_sizes) 
 
             def run(cfg=cfg, row=row, p=p, wp=wp, ref_a=ref_a, gemm=gemm):
                 def launch():
-                    return glu_forward(p.x, wp, gate_scale=1.0, out_scale=1.0, save=Saved.NOTHING, config=cfg)
+                    return glu_forward(
+                        p.x, wp, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.NOTHING, config=cfg
+                    )
 
                 row["a_err"] = relative_error(launch()[0], ref_a)
                 row["ms"] = bench(launch, reps)
@@ -133,7 +135,9 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list, kernel
 
             def run(cfg=cfg, save=save, row=row):
                 def launch():
-                    return glu_forward(p.x, wp, gate_scale=1.0, out_scale=1.0, save=save, config=cfg)
+                    return glu_forward(
+                        p.x, wp, gate_multiplier=1.0, down_multiplier=1.0, save=save, config=cfg
+                    )
 
                 t0 = time.time()
                 a, _ = launch()
@@ -147,13 +151,13 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list, kernel
             rows.append(row)
             report(row)
 
-    for kind in (Saved.FACTORS, Saved.PREACT) if "backward" in kernels else ():
-        _, pristine = glu_forward(p.x, wp, gate_scale=1.0, out_scale=1.0, save=kind)
+    for save in (Saved.FACTORS, Saved.PREACT) if "backward" in kernels else ():
+        _, pristine = glu_forward(p.x, wp, gate_multiplier=1.0, down_multiplier=1.0, save=save)
         first, second = split_packed_columns(pristine.float())
-        silu = first if kind == Saved.FACTORS else F.silu(second)
+        silu = first if save == Saved.FACTORS else F.silu(second)
         work = pristine.clone()
         copy_ms = bench(lambda work=work, pristine=pristine: work.copy_(pristine), reps)
-        if kind == Saved.FACTORS:
+        if save == Saved.FACTORS:
             # The unfused bar: dA through cuBLAS, then one broadcast multiply of the packed factors in place.
             def unfused(work=work, pristine=pristine):
                 work.copy_(pristine)
@@ -164,7 +168,7 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list, kernel
                 "shape": name,
                 "kernel": "backward",
                 "config": "unfused: cuBLAS dA + in-place mul",
-                "save": kind.name,
+                "save": save.name,
             }
             row["ms"] = bench(unfused, reps) - copy_ms
             row["ratio"] = row["ms"] / gemm_bwd
@@ -172,12 +176,14 @@ def sweep_shape(name: str, m: int, h: int, i: int, reps: int, rows: list, kernel
             rows.append(row)
             report(row)
         for cfg in BACKWARD_CANDIDATES:
-            row = {"shape": name, "kernel": "backward", "config": label(cfg), "save": kind.name}
+            row = {"shape": name, "kernel": "backward", "config": label(cfg), "save": save.name}
 
-            def run(cfg=cfg, kind=kind, row=row, work=work, pristine=pristine, silu=silu, copy_ms=copy_ms):
+            def run(cfg=cfg, save=save, row=row, work=work, pristine=pristine, silu=silu, copy_ms=copy_ms):
                 def launch():
                     work.copy_(pristine)
-                    glu_backward_(p.dy, p.w_down, work, gate_scale=1.0, out_scale=1.0, save=kind, config=cfg)
+                    glu_backward_(
+                        p.dy, p.w_down, work, gate_multiplier=1.0, down_multiplier=1.0, save=save, config=cfg
+                    )
 
                 t0 = time.time()
                 launch()

@@ -48,19 +48,19 @@ SWEPT = {
 def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
     m, hidden, inter = shape
     p = make_problem(m, hidden, inter, dtype=torch.bfloat16, device="cuda", seed=1)
-    _, pristine = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    _, pristine = glu_forward(p.x, p.w_gate_up, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
     da = p.dy.double() @ p.w_down.double()
     exact = (pristine.double().view(m, -1, 2, CHUNK) * da.view(m, -1, 1, CHUNK)).view(m, 2 * inter)
     work = pristine.clone()
     fns = {
         "triton": lambda: glu_backward_(
-            p.dy, p.w_down, work, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS
+            p.dy, p.w_down, work, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS
         )
     }
     fns |= {
         label: (
             lambda c=c: glu_backward_ws_(
-                p.dy, p.w_down, work, save=Saved.FACTORS, gate_scale=1.0, out_scale=1.0, config=c
+                p.dy, p.w_down, work, save=Saved.FACTORS, gate_multiplier=1.0, down_multiplier=1.0, config=c
             )
         )
         for label, c in SWEPT.items()

@@ -26,33 +26,33 @@ from fused_swiglu.kernels.glu_forward import glu_forward
 from fused_swiglu.kernels.glu_forward_ws import glu_forward_ws
 from fused_swiglu.testing import make_problem, relative_error
 
-SCALES = {"gate_scale": 0.7, "out_scale": 1.3}
+MULTIPLIERS = {"gate_multiplier": 0.7, "down_multiplier": 1.3}
 
 
 def forward_family(p, save: Saved):
     """(GEMM, {kernel: launch}, outputs of a launch, time to subtract) for the forward with this
     save mode."""
     kernels = {
-        "triton": lambda: glu_forward(p.x, p.w_gate_up, save=save, **SCALES),
-        "warp-specialized": lambda: glu_forward_ws(p.x, p.w_gate_up, save=save, **SCALES),
+        "triton": lambda: glu_forward(p.x, p.w_gate_up, save=save, **MULTIPLIERS),
+        "warp-specialized": lambda: glu_forward_ws(p.x, p.w_gate_up, save=save, **MULTIPLIERS),
     }
     outputs = lambda fn: [t for t in fn() if t is not None]  # noqa: E731
     return (lambda: torch.mm(p.x, p.w_gate_up.t())), kernels, outputs, 0.0
 
 
-def backward_family(p, kind: Saved):
-    _, pristine = glu_forward(p.x, p.w_gate_up, save=kind, **SCALES)
+def backward_family(p, save: Saved):
+    _, pristine = glu_forward(p.x, p.w_gate_up, save=save, **MULTIPLIERS)
     work = pristine.clone()
 
     def restored(launch):
         def run():
             work.copy_(pristine)
-            return launch(p.dy, p.w_down, work, save=kind, **SCALES)
+            return launch(p.dy, p.w_down, work, save=save, **MULTIPLIERS)
 
         return run
 
     kernels = {"triton": restored(glu_backward_)}
-    launches = {"cooperative": CONFIGS[kind]} | ({"ping-pong": PING_PONG} if kind == Saved.FACTORS else {})
+    launches = {"cooperative": CONFIGS[save]} | ({"ping-pong": PING_PONG} if save == Saved.FACTORS else {})
     for label, config in launches.items():
         kernels[f"ws {label}"] = restored(functools.partial(glu_backward_ws_, config=config))
 

@@ -21,7 +21,6 @@ from fused_swiglu.kernels.configs import (
     inference_uses_cublas,
 )
 from fused_swiglu.layout import CHUNK
-from fused_swiglu.passes import KEPT
 from fused_swiglu.reference import reference_swiglu_mlp
 from fused_swiglu.testing import (
     accuracy_rows,
@@ -40,7 +39,7 @@ def kernel_saves(save: str, inter: int) -> list[Saved]:
     """What the forward writes besides a, per launch: recompute runs it again in the backward, once
     per piece of the intermediate columns."""
     if save != "recompute":
-        return [KEPT[save]]
+        return [Saved.of(save)]
     pieces = passes_mod.RECOMPUTE_PIECES if inter % (passes_mod.RECOMPUTE_PIECES * CHUNK) == 0 else 1
     return [Saved.NOTHING] + [Saved.FACTORS] * pieces
 
@@ -89,7 +88,7 @@ def expected_launches(save: str, shape, dtype, device) -> tuple[list[str], list[
     save mode (the MLP's forwards all write ``a``)."""
     m, _, inter = shape
     on_gpu = device.type == "cuda"
-    kind = Saved.PREACT if save == "preact" else Saved.FACTORS
+    backward_save = Saved.PREACT if save == "preact" else Saved.FACTORS
     saves = kernel_saves(save, inter)
 
     def label(warp_specialized: bool) -> str:
@@ -98,7 +97,7 @@ def expected_launches(save: str, shape, dtype, device) -> tuple[list[str], list[
         return "warp-specialized" if warp_specialized else "triton"
 
     forwards = [label(forward_is_warp_specialized(m, dtype, on_gpu, s, True)) for s in saves]
-    backward = label(backward_is_warp_specialized(m, dtype, on_gpu, kind))
+    backward = label(backward_is_warp_specialized(m, dtype, on_gpu, backward_save))
     return forwards, [backward] * (len(saves) - 1 if save == "recompute" else 1)
 
 

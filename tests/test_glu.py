@@ -32,7 +32,7 @@ def test_glu_grad_kernel_needs_something_saved(device):
 
 def test_glu_grad_kernel_multiplies_both_halves_in_place(shape, dtype, device):
     p = make_problem(*shape, dtype=dtype, device=device)
-    _, factors = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    _, factors = glu_forward(p.x, p.w_gate_up, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
     f_up, f_gate = (t.double() for t in split_packed_columns(factors))
     out = glu_grad_(p.da, factors)
     assert out.data_ptr() == factors.data_ptr()

@@ -102,7 +102,7 @@ def test_compiled_training_after_dynamo_gave_up_on_a_call(device, save):
     of the library's functions compiled as frames of their own."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from fused_swiglu import autograd, functional
+    from fused_swiglu import functional, ops
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -127,8 +127,8 @@ def test_compiled_training_after_dynamo_gave_up_on_a_call(device, save):
         assert torch.equal(g, e)
     for internal in (
         functional.swiglu_mlp,
-        autograd.SwiGLUMLPFunction.forward,
-        autograd.SwiGLUMLPFunction.backward,
+        ops.SwiGLUMLPFunction.forward,
+        ops.SwiGLUMLPFunction.backward,
     ):
         assert not _debug_get_cache_entry_list(internal.__code__), internal.__qualname__
     torch._dynamo.reset()

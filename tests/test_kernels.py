@@ -34,7 +34,7 @@ MULTIPLIERS = [pytest.param((1.0, 1.0), id="mult1"), pytest.param((0.7, 1.3), id
 
 
 def _backward_launch(pick):
-    """The Gluon backward with the launch shape ``pick(kind)`` (None: the library's choice)."""
+    """The Gluon backward with the launch shape ``pick(save)`` (None: the library's choice)."""
     return lambda *args, save, **kwargs: glu_backward_ws_(*args, save=save, config=pick(save), **kwargs)
 
 
@@ -45,7 +45,7 @@ FORWARDS = {"fused": glu_forward, "warp-specialized": glu_forward_ws, "split": g
 BACKWARDS = {
     "fused": glu_backward_,
     "warp-specialized cooperative": _backward_launch(CONFIGS.get),
-    "warp-specialized ping-pong": _backward_launch(lambda kind: PING_PONG),
+    "warp-specialized ping-pong": _backward_launch(lambda save: PING_PONG),
     "split": glu_backward_split_,
 }
 
@@ -82,7 +82,7 @@ def test_forward_kernel(shape, dtype, device, save, multipliers, impl):
     skip_unless_runs(impl, device, dtype)
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
-    a, saved = FORWARDS[impl](p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=save)
+    a, saved = FORWARDS[impl](p.x, p.w_gate_up, gate_multiplier=gm, down_multiplier=dm, save=save)
 
     silu64, fgate64, u64, g64 = swiglu_terms(p.x.double(), p.w_gate.double(), p.w_up.double(), gm)
     silu, fgate, u, g = swiglu_terms(p.x, p.w_gate, p.w_up, gm)
@@ -101,17 +101,17 @@ def test_forward_kernel(shape, dtype, device, save, multipliers, impl):
 
 @pytest.mark.parametrize("impl", BACKWARDS)
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
-@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, kind, multipliers, impl):
-    if impl.endswith("ping-pong") and kind == Saved.PREACT:
+@pytest.mark.parametrize("save", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, device, save, multipliers, impl):
+    if impl.endswith("ping-pong") and save == Saved.PREACT:
         pytest.skip("the ping-pong launch reads saved factors only")
     skip_unless_runs(impl, device, dtype)
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
-    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=gm, out_scale=dm, save=kind)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_multiplier=gm, down_multiplier=dm, save=save)
     # The exact gradient of the saved (rounded) tensors, so only the backward kernel's error is measured.
     first, second = (t.double() for t in split_packed_columns(saved))
-    if kind == Saved.FACTORS:
+    if save == Saved.FACTORS:
         silu64, fgate64 = first, second
         a64 = None
     else:
@@ -123,12 +123,12 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
     da = dm * p.dy @ p.w_down  # eager rounds dA to the dtype before the multiplies
     eager_first, eager_second = (t.to(dtype) for t in (silu64, fgate64))
 
-    recomputed = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=gm, out_scale=dm, save=kind)
+    recomputed = BACKWARDS[impl](p.dy, p.w_down, saved, gate_multiplier=gm, down_multiplier=dm, save=save)
 
     d_up, d_gate = split_packed_columns(saved)
     assert_like_eager(d_up, da * eager_first, da64 * silu64, dtype, "dU")
     assert_like_eager(d_gate, da * eager_second, da64 * fgate64, dtype, "dG")
-    if kind == Saved.FACTORS:
+    if save == Saved.FACTORS:
         assert recomputed is None
     else:
         eager_a = (dm * silu64 * u64).to(dtype)
@@ -139,12 +139,12 @@ def test_warp_specialized_kernels_are_chosen_where_they_run():
     """Bulk-sized 16-bit problems on the GPU; never fp32, decode sizes or the interpreter (Gluon
     kernels need a GPU), nor inference or the forward that skips ``a``."""
     bf16, fp16 = torch.bfloat16, torch.float16
-    for kind in (Saved.FACTORS, Saved.PREACT):
-        assert backward_is_warp_specialized(4096, bf16, True, kind) == hopper_ws.AVAILABLE
-        assert backward_is_warp_specialized(65, fp16, True, kind) == hopper_ws.AVAILABLE
-        assert not backward_is_warp_specialized(64, bf16, True, kind)
-        assert not backward_is_warp_specialized(4096, torch.float32, True, kind)
-        assert not backward_is_warp_specialized(4096, bf16, False, kind)
+    for save in (Saved.FACTORS, Saved.PREACT):
+        assert backward_is_warp_specialized(4096, bf16, True, save) == hopper_ws.AVAILABLE
+        assert backward_is_warp_specialized(65, fp16, True, save) == hopper_ws.AVAILABLE
+        assert not backward_is_warp_specialized(64, bf16, True, save)
+        assert not backward_is_warp_specialized(4096, torch.float32, True, save)
+        assert not backward_is_warp_specialized(4096, bf16, False, save)
     for save in (Saved.FACTORS, Saved.PREACT):
         assert forward_is_warp_specialized(4096, bf16, True, save, True) == hopper_ws.AVAILABLE
         assert forward_is_warp_specialized(65, fp16, True, save, True) == hopper_ws.AVAILABLE
@@ -191,34 +191,48 @@ def test_warp_specialized_backward_needs_buffers_for_a_with_saved_preactivations
     saved = torch.zeros(128, 512, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="a_buffers"):
         glu_backward_ws_(
-            p.dy, p.w_down, saved, save=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=WSConfig()
+            p.dy,
+            p.w_down,
+            saved,
+            save=Saved.PREACT,
+            gate_multiplier=1.0,
+            down_multiplier=1.0,
+            config=WSConfig(),
         )
     with pytest.raises(ValueError, match="saved factors only"):
         glu_backward_ws_(
-            p.dy, p.w_down, saved, save=Saved.PREACT, gate_scale=1.0, out_scale=1.0, config=PING_PONG
+            p.dy,
+            p.w_down,
+            saved,
+            save=Saved.PREACT,
+            gate_multiplier=1.0,
+            down_multiplier=1.0,
+            config=PING_PONG,
         )
     with pytest.raises(ValueError, match="saved factors or pre-activations"):
-        glu_backward_ws_(p.dy, p.w_down, saved, save=Saved.NOTHING, gate_scale=1.0, out_scale=1.0)
+        glu_backward_ws_(p.dy, p.w_down, saved, save=Saved.NOTHING, gate_multiplier=1.0, down_multiplier=1.0)
 
 
 @pytest.mark.parametrize("impl", BACKWARDS)
-@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_backward_kernel_writes_a_gradient_of_its_own(shape, dtype, device, kind, impl):
+@pytest.mark.parametrize("save", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_backward_kernel_writes_a_gradient_of_its_own(shape, dtype, device, save, impl):
     """Given ``grad``, the backward writes there what it writes in place, and the saved tensor stays
     as it was (the traced backward op keeps what autograd saved)."""
-    if impl.endswith("ping-pong") and kind == Saved.PREACT:
+    if impl.endswith("ping-pong") and save == Saved.PREACT:
         pytest.skip("the ping-pong launch reads saved factors only")
     skip_unless_runs(impl, device, dtype)
     p = make_problem(*shape, dtype=dtype, device=device)
-    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save)
     kept, in_place = saved.clone(), saved.clone()
-    a_in_place = BACKWARDS[impl](p.dy, p.w_down, in_place, gate_scale=0.7, out_scale=1.3, save=kind)
+    a_in_place = BACKWARDS[impl](
+        p.dy, p.w_down, in_place, gate_multiplier=0.7, down_multiplier=1.3, save=save
+    )
     grad = torch.full_like(saved, float("nan"))
-    a = BACKWARDS[impl](p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, save=kind, grad=grad)
+    a = BACKWARDS[impl](p.dy, p.w_down, saved, gate_multiplier=0.7, down_multiplier=1.3, save=save, grad=grad)
     assert torch.equal(saved, kept)
     assert torch.isfinite(grad).all()
     torch.testing.assert_close(grad, in_place, rtol=0, atol=0)  # the same launch otherwise: bitwise
-    if kind == Saved.PREACT:
+    if save == Saved.PREACT:
         torch.testing.assert_close(a, a_in_place, rtol=0, atol=0)
 
 
@@ -235,11 +249,17 @@ def test_backward_kernel_writes_a_gradient_of_its_own(shape, dtype, device, kind
 @pytest.mark.parametrize("impl", ["fused", "split"])
 def test_backward_kernel_refuses_a_gradient_buffer_that_does_not_fit(device, impl, make_grad, message):
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
     kept = saved.clone()
     with pytest.raises(ValueError, match=message):
         BACKWARDS[impl](
-            p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS, grad=make_grad(saved)
+            p.dy,
+            p.w_down,
+            saved,
+            gate_multiplier=1.0,
+            down_multiplier=1.0,
+            save=Saved.FACTORS,
+            grad=make_grad(saved),
         )
     assert torch.equal(saved, kept)
 
@@ -272,10 +292,12 @@ def test_warp_specialized_launchers_pass_every_kernel_argument(name, save, confi
     monkeypatch.setattr(launcher, "_kernel", Intercepted())
     p = make_problem(300, 64, 512, dtype=torch.bfloat16, device=torch.device("cpu"))
     if module is glu_forward_ws_mod:
-        glu_forward_ws(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)
+        glu_forward_ws(p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save)
     else:
         saved = torch.zeros(300, 1024, dtype=torch.bfloat16)
-        glu_backward_ws_(p.dy, p.w_down, saved, save=save, gate_scale=0.7, out_scale=1.3, config=config)
+        glu_backward_ws_(
+            p.dy, p.w_down, saved, save=save, gate_multiplier=0.7, down_multiplier=1.3, config=config
+        )
     [(grid, args, kwargs)] = launches
     assert grid == (3,)  # persistent: three programs on CPU (the interpreter's count)
     # The positional arguments fill the kernel's first parameters, the keywords all the others
@@ -288,14 +310,14 @@ def test_backward_kernel_runs_first_in_a_fresh_thread(device):
     """Autograd runs the backward on a thread of its own, where the fused kernel may be the first CUDA
     work: its host TMA descriptors need a current CUDA context there too."""
     p = make_problem(64, 40, 72, dtype=torch.float32, device=device)
-    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
     expected = saved.clone()
-    glu_backward_(p.dy, p.w_down, expected, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    glu_backward_(p.dy, p.w_down, expected, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
     errors = []
 
     def launch():
         try:
-            glu_backward_(p.dy, p.w_down, saved, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+            glu_backward_(p.dy, p.w_down, saved, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
         except Exception as e:  # noqa: BLE001 - reported by the test's own thread below
             errors.append(e)
 
@@ -310,7 +332,9 @@ def test_backward_kernel_runs_first_in_a_fresh_thread(device):
 def test_backward_kernel_needs_something_saved(device):
     p = make_problem(4, 16, 16, dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="saved"):
-        glu_backward_(p.dy, p.w_down, torch.zeros(4, 32), gate_scale=1.0, out_scale=1.0, save=Saved.NOTHING)
+        glu_backward_(
+            p.dy, p.w_down, torch.zeros(4, 32), gate_multiplier=1.0, down_multiplier=1.0, save=Saved.NOTHING
+        )
 
 
 @pytest.mark.parametrize(
@@ -322,18 +346,20 @@ def test_backward_kernel_needs_something_saved(device):
         pytest.param(TileConfig(16, 32, 16, num_stages=1, epilogue_split=4), id="split4"),
     ],
 )
-@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_backward_kernel_variants_agree(device, kind, config):
+@pytest.mark.parametrize("save", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_backward_kernel_variants_agree(device, save, config):
     """Other tilings, epilogue splits and tile orders give the default config's result."""
     if device.type == "cuda":
         pytest.skip("interpreter-sized tiles")
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    _, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
+    _, saved = glu_forward(p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save)
     expected = saved.clone()
-    a_expected = glu_backward_(p.dy, p.w_down, expected, gate_scale=0.7, out_scale=1.3, save=kind)
-    a = glu_backward_(p.dy, p.w_down, saved, gate_scale=0.7, out_scale=1.3, save=kind, config=config)
+    a_expected = glu_backward_(p.dy, p.w_down, expected, gate_multiplier=0.7, down_multiplier=1.3, save=save)
+    a = glu_backward_(
+        p.dy, p.w_down, saved, gate_multiplier=0.7, down_multiplier=1.3, save=save, config=config
+    )
     assert relative_error(saved, expected) < 1e-6
-    if kind == Saved.PREACT:
+    if save == Saved.PREACT:
         assert relative_error(a, a_expected) < 1e-6
 
 
@@ -351,25 +377,29 @@ def test_forward_kernel_variants_agree(device, save, config):
     if device.type == "cuda":
         pytest.skip("interpreter-sized tiles")
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    a_expected, saved_expected = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save)
-    a, saved = glu_forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=save, config=config)
+    a_expected, saved_expected = glu_forward(
+        p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save
+    )
+    a, saved = glu_forward(
+        p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save, config=config
+    )
     assert relative_error(a, a_expected) < 1e-6
     if save != Saved.NOTHING:
         assert relative_error(saved, saved_expected) < 1e-6
 
 
 @pytest.mark.parametrize("impl", ["fused", "split"])
-@pytest.mark.parametrize("kind", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
-def test_forward_kernel_can_skip_a(device, kind, impl):
+@pytest.mark.parametrize("save", [Saved.FACTORS, Saved.PREACT], ids=lambda s: s.name)
+def test_forward_kernel_can_skip_a(device, save, impl):
     """A backward that needs only the saved tensor gets it without ``a`` being written."""
     forward = FORWARDS[impl]
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    _, expected = forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind)
-    a, saved = forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=kind, write_a=False)
+    _, expected = forward(p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save)
+    a, saved = forward(p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=save, write_a=False)
     assert a is None
     assert torch.equal(saved, expected)
     with pytest.raises(ValueError, match="must write"):
-        forward(p.x, p.w_gate_up, gate_scale=0.7, out_scale=1.3, save=Saved.NOTHING, write_a=False)
+        forward(p.x, p.w_gate_up, gate_multiplier=0.7, down_multiplier=1.3, save=Saved.NOTHING, write_a=False)
 
 
 @pytest.mark.parametrize("multipliers", MULTIPLIERS)
@@ -377,7 +407,7 @@ def test_activation_kernel(shape, dtype, device, multipliers):
     """The decode path's activation pass over a packed pre-activation computed by torch.mm."""
     gm, dm = multipliers
     p = make_problem(*shape, dtype=dtype, device=device)
-    a = glu_activation(p.x @ p.w_gate_up.t(), gate_scale=gm, out_scale=dm)
+    a = glu_activation(p.x @ p.w_gate_up.t(), gate_multiplier=gm, down_multiplier=dm)
     silu64, _, u64, _ = swiglu_terms(p.x.double(), p.w_gate.double(), p.w_up.double(), gm)
     silu, _, u, _ = swiglu_terms(p.x, p.w_gate, p.w_up, gm)
     assert_like_eager(a, dm * silu * u, dm * silu64 * u64, dtype, "a")
@@ -385,24 +415,24 @@ def test_activation_kernel(shape, dtype, device, multipliers):
 
 def test_activation_kernel_rejects_unpacked_input(device):
     with pytest.raises(ValueError, match="packed"):
-        glu_activation(torch.zeros(4, 24, device=device), gate_scale=1.0, out_scale=1.0)
+        glu_activation(torch.zeros(4, 24, device=device), gate_multiplier=1.0, down_multiplier=1.0)
 
 
 @settings(max_examples=20, deadline=None)
 @given(
     rows=st.integers(1, 40),
     chunks=st.integers(1, 7),
-    gate_scale=st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3),  # away from fp32 subnormal results
-    out_scale=st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3),
+    gate_multiplier=st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3),  # away from fp32 subnormal results
+    down_multiplier=st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3),
 )
-def test_activation_kernel_on_random_packed_shapes(device, rows, chunks, gate_scale, out_scale):
+def test_activation_kernel_on_random_packed_shapes(device, rows, chunks, gate_multiplier, down_multiplier):
     """Any row count and any intermediate size that is whole chunks (tile edges anywhere)."""
     inter = chunks * CHUNK
     h = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows * 31 + chunks)).to(device)
     up, gate = split_packed_columns(h.double())
-    g = gate_scale * gate
-    expected = out_scale * F.silu(g) * up
-    a = glu_activation(h, gate_scale=gate_scale, out_scale=out_scale)
+    g = gate_multiplier * gate
+    expected = down_multiplier * F.silu(g) * up
+    a = glu_activation(h, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
     assert relative_error(a, expected) < 1e-6
 
 

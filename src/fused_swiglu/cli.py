@@ -131,8 +131,8 @@ def _print_timings(problem, swiglu_mlp, reference_swiglu_mlp, format_table) -> N
         forward().backward(problem.dy)
         torch.cuda.synchronize()
         first[name] = time.perf_counter() - t0
-    # One timing of each, back to back, swings by up to 20% with what ran just before (measured on
-    # the H200), so the order rotates every round and each figure is the median over the rounds.
+    # One timing of each, back to back, moves with what ran just before, so the order rotates every
+    # round and each figure is the median over the rounds.
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
     names = list(impls)
     for rotation in range(TIMING_ROUNDS):

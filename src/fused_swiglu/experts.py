@@ -5,7 +5,7 @@
 Each token's slots are grouped by expert (routing.py); the gate/up projections of every expert run as
 one fused kernel with the SwiGLU in its epilogue (experts_ops.py), the down projections as one grouped
 GEMM; the routing weights scale ``a`` on its way into the down GEMM, and their gradient is the row sum
-of ``a`` times its gradient. What is kept per routed slot between forward and backward: the factors
+of ``a`` times its gradient. What is saved per routed slot between forward and backward: the factors
 and ``a`` (3I, ``save="factors"``) or ``a`` alone (I, ``save="recompute"``, which reruns the gate/up
 kernel in the backward).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .autograd import _refuse_double_backward, _saved_tensors
 from .experts_ops import (
     EXPERTS_SAVE_MODES,
     experts_glu_backward,
@@ -29,6 +28,7 @@ from .experts_ops import (
 )
 from .functional import _autocast, check_save_mode
 from .layout import CHUNK, check_intermediate_size, split_packed_columns
+from .ops import _refuse_double_backward, _saved_tensors
 from .routing import Routes, route
 from .support import fused_path_available
 
@@ -40,8 +40,8 @@ class ExpertsGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_rows, gate_up_weight, tile_experts, used_rows, ends, save: str):
-        a, kept = experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save)
-        ctx.save_for_backward(x_rows, gate_up_weight, kept, tile_experts, used_rows, ends)
+        a, saved = experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save)
+        ctx.save_for_backward(x_rows, gate_up_weight, saved, tile_experts, used_rows, ends)
         ctx.save = save
         return a
 

@@ -4,7 +4,7 @@ forward kernel's epilogue.
 
 * forward: the forward kernel with a row-block -> expert table; keeps the factors (``"factors"``) or
   nothing (``"recompute"``, where the backward runs the forward kernel again);
-* backward: the SwiGLU gradient over the kept factors in place (kernels/glu_grad.py), then dX and
+* backward: the SwiGLU gradient over the saved factors in place (kernels/glu_grad.py), then dX and
   the packed dW as grouped GEMMs (``torch._grouped_mm``) over the experts' groups of rows.
 
 The rows past the routed ones (``Routes.used_rows``) are spare room: no kernel writes them, and what
@@ -23,7 +23,6 @@ from .kernels.glu_forward import glu_forward
 from .kernels.glu_grad import glu_grad_
 from .library import define, register_autograd
 from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
-from .passes import KEPT
 
 EXPERTS_SAVE_MODES = ("factors", "recompute")
 
@@ -83,22 +82,28 @@ register_autograd(grouped_mm, _grouped_mm_backward, _grouped_mm_setup)
 def _forward(x_rows, gate_up_weight, tile_experts, used_rows, save: Saved, write_a: bool = True):
     """The forward kernel over every expert's rows (experts carry no multipliers)."""
     experts = (tile_experts, used_rows, gate_up_weight.shape[0])
-    options = {"save": save, "write_a": write_a, "experts": experts, "gate_scale": 1.0, "out_scale": 1.0}
+    options = {
+        "save": save,
+        "write_a": write_a,
+        "experts": experts,
+        "gate_multiplier": 1.0,
+        "down_multiplier": 1.0,
+    }
     return glu_forward(x_rows, gate_up_weight, **options)
 
 
 @_on_tensor_device
 def _experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save):
-    """``a`` [P, I] and the kept factors [P, 2I] (empty for ``"recompute"``)."""
+    """``a`` [P, I] and the saved factors [P, 2I] (empty for ``"recompute"``)."""
     x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    a, kept = _forward(x_rows, gate_up_weight, tile_experts, used_rows, KEPT[save])
-    return a, _empty_if_none(kept, x_rows)
+    a, saved = _forward(x_rows, gate_up_weight, tile_experts, used_rows, Saved.of(save))
+    return a, _empty_if_none(saved, x_rows)
 
 
 def _experts_glu_forward_fake(x_rows, gate_up_weight, tile_experts, used_rows, save):
     rows, two_inter = x_rows.shape[0], gate_up_weight.shape[1]
-    kept = x_rows.new_empty(rows, two_inter) if save == "factors" else x_rows.new_empty(0)
-    return x_rows.new_empty(rows, two_inter // 2), kept
+    saved = x_rows.new_empty(rows, two_inter) if save == "factors" else x_rows.new_empty(0)
+    return x_rows.new_empty(rows, two_inter // 2), saved
 
 
 experts_glu_forward = define(
@@ -111,30 +116,31 @@ experts_glu_forward = define(
 
 @_on_tensor_device
 def _experts_glu_backward(
-    da, x_rows, gate_up_weight, kept, tile_experts, used_rows, ends, save, need_dx, need_dw
+    da, x_rows, gate_up_weight, saved, tile_experts, used_rows, ends, save, need_dx, need_dw
 ):
-    """dX [P, H] and the packed dW [E, 2I, H] (empty where not needed); overwrites ``kept``."""
+    """dX [P, H] and the packed dW [E, 2I, H] (empty where not needed); overwrites ``saved``."""
     x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    if KEPT[save] == Saved.NOTHING:
-        _, kept = _forward(x_rows, gate_up_weight, tile_experts, used_rows, Saved.FACTORS, write_a=False)
+    if Saved.of(save) == Saved.NOTHING:
+        _, saved = _forward(x_rows, gate_up_weight, tile_experts, used_rows, Saved.FACTORS, write_a=False)
     else:
-        _overwrite_once(kept)
-    grad = glu_grad_(da.contiguous(), kept)  # [dU | dG] per row, packed, over the factors
+        _overwrite_once(saved)
+    grad = glu_grad_(da.contiguous(), saved)  # [dU | dG] per row, packed, over the factors
     dx = grouped_mm(grad, gate_up_weight, ends) if need_dx else None
     dw = grouped_mm(grad.t(), x_rows, ends) if need_dw else None
     return _empty_if_none(dx, x_rows), _empty_if_none(dw, x_rows)
 
 
 def _experts_glu_backward_fake(
-    da, x_rows, gate_up_weight, kept, tile_experts, used_rows, ends, save, need_dx, need_dw
+    da, x_rows, gate_up_weight, saved, tile_experts, used_rows, ends, save, need_dx, need_dw
 ):
     dx = x_rows.new_empty(x_rows.shape if need_dx else (0,))
     return dx, x_rows.new_empty(gate_up_weight.shape if need_dw else (0,))
 
 
 experts_glu_backward = define(
-    "experts_glu_backward(Tensor da, Tensor x_rows, Tensor gate_up_weight, Tensor kept, Tensor tile_experts, "
-    "Tensor used_rows, Tensor ends, str save, bool need_dx, bool need_dw) -> (Tensor, Tensor)",
+    "experts_glu_backward(Tensor da, Tensor x_rows, Tensor gate_up_weight, Tensor saved, "
+    "Tensor tile_experts, Tensor used_rows, Tensor ends, str save, bool need_dx, bool need_dw) "
+    "-> (Tensor, Tensor)",
     _experts_glu_backward,
     _experts_glu_backward_fake,
 )

@@ -1,5 +1,5 @@
 """Functional API: packing, autocast and validation, then one of three paths: the training Function
-(autograd.py), the inference op (ops.py), or the PyTorch reference where the fused kernels cannot run
+or the inference op (ops.py), or the PyTorch reference where the fused kernels cannot run
 (support.py says where they run). Eager calls and ``torch.compile`` take the same path; compiled, all
 of this runs once while Dynamo traces it, and the graph keeps only the ops.
 """
@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 
 from . import ops
-from .autograd import SwiGLULinearFunction, SwiGLUMLPFunction
 from .layout import check_intermediate_size, pack_gate_up
+from .ops import SwiGLULinearFunction, SwiGLUMLPFunction
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 from .support import fused_path_available
 
@@ -178,6 +178,9 @@ def swiglu_linear(
 ) -> torch.Tensor:
     """The GLU half alone: ``silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)``, for callers that own the
     down projection (Megatron-style blocks, MoE experts, LoRA on the down projection).
+
+    It returns the intermediate activation ``a``; it is not a SwiGLU followed by a linear layer (what
+    flash-linear-attention's ``swiglu_linear`` computes): no down projection runs here.
 
     Args:
         x: ``[..., hidden]``.

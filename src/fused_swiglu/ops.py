@@ -1,16 +1,18 @@
-"""The custom ops of the fused operators (``fused_swiglu::``, library.py): every fused call, eager or
-under ``torch.compile``, runs through them. The compiler sees each op as one opaque call with a fake
-implementation (shapes only), so a model that calls the library compiles to one graph, and its
-compiled code calls the op without running any of the library's Python above it.
+"""The fused operators as a graph sees them: custom ops (``fused_swiglu::``, library.py) and the
+autograd Functions around them. Every fused call, eager or under ``torch.compile``, runs through
+them. The compiler sees each op as one opaque call with a fake implementation (shapes only) and
+traces the Functions' forward and backward into the graph, so a model that calls the library
+compiles to one graph whose code calls the ops without the library's Python above them.
 
-Per operator there are three ops: inference (nothing kept), the training forward (returns what it
-keeps as outputs, empty where the save mode keeps none) and the training backward, which the
-autograd Functions (autograd.py) call.
+Per operator there are three ops: inference (nothing saved), the training forward (returns what it
+saves as outputs, empty where the save mode saves nothing) and the training backward, which the
+Functions call; passes.py says what each save mode saves.
 
-The backward overwrites the tensor the forward kept with the packed pre-activation gradient, without
-declaring it: declared, the compiler copies the kept tensor first (time and memory the overwrite is
+The backward overwrites the tensor the forward saved with the packed pre-activation gradient, without
+declaring it: declared, the compiler copies the saved tensor first (time and memory the overwrite is
 there to save). Nothing else reads that tensor after the backward op, and ``_overwrite_once`` makes
-the overwrite happen at most once.
+the overwrite happen at most once; a graph can be walked backward once, and ``create_graph=True``
+(double backward) is refused.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import functools
 
 import torch
 
-from .kernels.common import Saved, tma_ready
+from .kernels.common import Saved, bind_cuda_context, tma_ready
 from .library import define
 from .passes import (
-    KEPT,
     linear_backward_,
     linear_forward,
     mlp_backward_,
@@ -33,7 +34,7 @@ from .passes import (
 
 
 def refuse_second_walk() -> None:
-    """Raise in a backward whose kept activations an earlier walk of the graph overwrote."""
+    """Raise in a backward whose saved activations an earlier walk of the graph overwrote."""
     raise RuntimeError(
         "fused_swiglu: this graph was already walked backward once. Its saved activations were "
         "overwritten in place by that backward, so a second backward (retain_graph=True) would be "
@@ -41,17 +42,17 @@ def refuse_second_walk() -> None:
     )
 
 
-def _overwrite_once(kept: torch.Tensor) -> None:
-    """Mark ``kept`` as overwritten, refusing if it already was.
+def _overwrite_once(saved: torch.Tensor) -> None:
+    """Mark ``saved`` as overwritten, refusing if it already was.
 
-    The forward op makes ``kept`` new, at version 0; the backward marks it changed. A second walk of a
+    The forward op makes ``saved`` new, at version 0; the backward marks it changed. A second walk of a
     retained graph hands the backward the same tensor (autograd's own check of saved tensors usually
     refuses it first). A saved-tensor hook's copy (``save_on_cpu``) is made anew for every walk, and
     overwriting it loses nothing.
     """
-    if kept._version:
+    if saved._version:
         refuse_second_walk()
-    torch.autograd.graph.increment_version(kept)
+    torch.autograd.graph.increment_version(saved)
 
 
 def _on_tensor_device(fn):
@@ -84,7 +85,7 @@ def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 @_on_tensor_device
 def _mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier):
-    """x [M, H], packed [2I, H], down [H, I] -> y [M, H]; nothing kept."""
+    """x [M, H], packed [2I, H], down [H, I] -> y [M, H]; nothing saved."""
     args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight))
     return swiglu_mlp_no_grad(*args, gate_multiplier, down_multiplier, ("mlp", *_signature(*args)))
 
@@ -103,18 +104,18 @@ swiglu_mlp_inference = define(
 
 @_on_tensor_device
 def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
-    """y [M, H], the kept packed [M, 2I] tensor and ``a`` [M, I] (each empty where ``save`` keeps none)."""
-    scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
+    """y [M, H], the saved packed [M, 2I] tensor and ``a`` [M, I] (each empty where ``save`` keeps none)."""
+    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight))
-    y, kept, a = mlp_forward(*args, KEPT[save], scales, ("mlp", *_signature(*args)))
-    return y, _empty_if_none(kept, x2d), _empty_if_none(a, x2d)
+    y, saved, a = mlp_forward(*args, Saved.of(save), multipliers, ("mlp", *_signature(*args)))
+    return y, _empty_if_none(saved, x2d), _empty_if_none(a, x2d)
 
 
 def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
     m, inter = x2d.shape[0], down_weight.shape[1]
-    kept = x2d.new_empty(m, 2 * inter) if save != "recompute" else x2d.new_empty(0)
+    saved = x2d.new_empty(m, 2 * inter) if save != "recompute" else x2d.new_empty(0)
     a = x2d.new_empty(m, inter) if save == "factors" else x2d.new_empty(0)
-    return x2d.new_empty(m, down_weight.shape[0]), kept, a
+    return x2d.new_empty(m, down_weight.shape[0]), saved, a
 
 
 swiglu_mlp_forward = define(
@@ -127,27 +128,27 @@ swiglu_mlp_forward = define(
 
 @_on_tensor_device
 def _mlp_backward(
-    dy, x2d, gate_up_weight, down_weight, kept, after, gate_multiplier, down_multiplier, save, *needs
+    dy, x2d, gate_up_weight, down_weight, saved, after, gate_multiplier, down_multiplier, save, *needs
 ):
-    """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``kept``. ``after``
-    is not read: it is what the op must run after (autograd.py)."""
-    if KEPT[save] != Saved.NOTHING:
-        _overwrite_once(kept)
-    scales = {"gate_scale": gate_multiplier, "out_scale": down_multiplier}
-    args = (tma_ready(dy), tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), kept)
-    grads = mlp_backward_(*args, KEPT[save], scales, needs, ("mlp", *_signature(*args)))
+    """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved``. ``after``
+    is not read: it is what the op must run after (``SwiGLUMLPFunction.backward``)."""
+    if Saved.of(save) != Saved.NOTHING:
+        _overwrite_once(saved)
+    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
+    args = (tma_ready(dy), tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), saved)
+    grads = mlp_backward_(*args, Saved.of(save), multipliers, needs, ("mlp", *_signature(*args)))
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
 def _mlp_backward_fake(
-    dy, x2d, gate_up_weight, down_weight, kept, after, gate_multiplier, down_multiplier, save, *needs
+    dy, x2d, gate_up_weight, down_weight, saved, after, gate_multiplier, down_multiplier, save, *needs
 ):
     shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
     return tuple(x2d.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
 
 
 swiglu_mlp_backward = define(
-    "swiglu_mlp_backward(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, Tensor kept, "
+    "swiglu_mlp_backward(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, Tensor saved, "
     "Tensor? after, float gate_multiplier, float down_multiplier, str save, bool need_dx, "
     "bool need_dw_gate_up, bool need_dw_down) -> (Tensor, Tensor, Tensor)",
     _mlp_backward,
@@ -166,7 +167,7 @@ def _low_rank(u, v) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 @_on_tensor_device
 def _linear_inference(x2d, gate_up_weight, gate_multiplier, u, v):
-    """x [M, H], packed [2I, H] -> a [M, I]; nothing kept."""
+    """x [M, H], packed [2I, H] -> a [M, I]; nothing saved."""
     args = (tma_ready(x2d), tma_ready(gate_up_weight))
     low_rank = _low_rank(u, v)
     key = ("glu", *_signature(*args, *(low_rank or ())))
@@ -187,11 +188,11 @@ swiglu_linear_inference = define(
 
 @_on_tensor_device
 def _linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v):
-    """``a`` [M, I] and the kept factors [M, 2I] (empty for ``"recompute"``)."""
+    """``a`` [M, I] and the saved factors [M, 2I] (empty for ``"recompute"``)."""
     args = (tma_ready(x2d), tma_ready(gate_up_weight))
     low_rank = _low_rank(u, v)
     key = ("glu", *_signature(*args, *(low_rank or ())))
-    a, factors = linear_forward(*args, gate_multiplier, KEPT[save], key, low_rank)
+    a, factors = linear_forward(*args, gate_multiplier, Saved.of(save), key, low_rank)
     return a, _empty_if_none(factors, x2d)
 
 
@@ -212,12 +213,12 @@ swiglu_linear_forward = define(
 @_on_tensor_device
 def _linear_backward(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs):
     """dX, the packed dW_gate_up, dU and dV (empty where not needed); overwrites ``factors``."""
-    if KEPT[save] != Saved.NOTHING:
+    if Saved.of(save) != Saved.NOTHING:
         _overwrite_once(factors)
     args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors)
     low_rank = _low_rank(u, v)
     key = ("glu", *_signature(*args, *(low_rank or ())))
-    grads = linear_backward_(*args, KEPT[save], gate_multiplier, needs, key, low_rank)
+    grads = linear_backward_(*args, Saved.of(save), gate_multiplier, needs, key, low_rank)
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
@@ -236,3 +237,89 @@ swiglu_linear_backward = define(
     _linear_backward,
     _linear_backward_fake,
 )
+
+
+# The autograd Functions -------------------------------------------------------------------------------
+
+
+def _refuse_double_backward() -> None:
+    if torch.is_grad_enabled():  # grad mode is on inside a backward only with create_graph=True
+        raise RuntimeError(
+            "fused_swiglu: create_graph=True (double backward) is not supported: the backward is not "
+            "differentiable. Use fused_swiglu.reference for higher-order gradients."
+        )
+
+
+def _saved_tensors(ctx) -> tuple[torch.Tensor, ...]:
+    """``ctx.saved_tensors``; eagerly, a second walk, which autograd's own check of the saved tensors
+    finds (the backward op marked the saved tensor changed), gets the library's message."""
+    if torch.compiler.is_compiling():
+        return ctx.saved_tensors
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as error:
+        # Only after a first walk: anything else changed in place is the caller's, and PyTorch says so.
+        if getattr(ctx, "walked", False) and "modified by an inplace operation" in str(error):
+            refuse_second_walk()
+        raise
+    ctx.walked = True
+    return saved
+
+
+class SwiGLUMLPFunction(torch.autograd.Function):
+    """y = down_multiplier * (silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)) @ Wd^T, weights packed."""
+
+    @staticmethod
+    def forward(ctx, x2d, gate_up_weight, down_weight, gate_multiplier: float, down_multiplier: float, save):
+        scalars = (gate_multiplier, down_multiplier, save)
+        y, saved, a = swiglu_mlp_forward(x2d, gate_up_weight, down_weight, *scalars)
+        # a is saved for dW_down only (with saved factors): not saved when the down weight is frozen.
+        ctx.save_for_backward(x2d, gate_up_weight, down_weight, saved, a if ctx.needs_input_grad[2] else None)
+        ctx.scalars = scalars
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        _refuse_double_backward()
+        x2d, gate_up_weight, down_weight, saved, a = _saved_tensors(ctx)
+        need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
+        eager = not torch.compiler.is_compiling()
+        if eager and saved._version:  # refused before a is read (the op refuses it too, compiled)
+            refuse_second_walk()
+        if eager and dy.is_cuda:
+            bind_cuda_context(dy.device)  # autograd's device thread may have no CUDA context yet
+        dw_down = None
+        if need_dw_down and ctx.scalars[2] == "factors":
+            # dW_down = dY^T @ a (a carries the down multiplier) first: a's last use, so a compiled
+            # backward drops a before the backward op allocates the two largest gradients. The op
+            # takes dW_down as `after` so that the compiler cannot move this GEMM past it.
+            dw_down = torch.mm(dy.t(), a)
+            if eager:
+                # Autograd holds saved tensors until the backward returns: release a now.
+                a.untyped_storage().resize_(0)
+        del a
+        needs = (need_dx, need_dw_gate_up, need_dw_down and dw_down is None)
+        weights = (gate_up_weight, down_weight)
+        grads = swiglu_mlp_backward(dy, x2d, *weights, saved, dw_down, *ctx.scalars, *needs)
+        dx, dw_gate_up, op_dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
+        return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None
+
+
+class SwiGLULinearFunction(torch.autograd.Function):
+    """a = silu(gate_multiplier * g) * u from the packed pre-activation [u | g] = x @ W^T (+ u_lr @ v^T,
+    a low-rank term, if given): the GLU half alone."""
+
+    @staticmethod
+    def forward(ctx, x2d, gate_up_weight, gate_multiplier: float, save: str, u=None, v=None):
+        a, factors = swiglu_linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v)
+        ctx.save_for_backward(x2d, gate_up_weight, factors, u, v)
+        ctx.scalars = (gate_multiplier, save)
+        return a
+
+    @staticmethod
+    def backward(ctx, da):
+        _refuse_double_backward()
+        needs = (*ctx.needs_input_grad[:2], *ctx.needs_input_grad[4:6])
+        grads = swiglu_linear_backward(da, *_saved_tensors(ctx), *ctx.scalars, *needs)
+        dx, dw, du, dv = (g if need else None for g, need in zip(grads, needs, strict=True))
+        return dx, dw, None, None, du, dv

@@ -43,9 +43,6 @@ from .kernels.glu_forward_ws import glu_forward_ws
 from .kernels.glu_grad import glu_grad_
 from .kernels.glu_split import glu_backward_split_, glu_forward_split
 
-#: What the forward kernel writes in training, per save mode.
-KEPT = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
-
 #: The recompute backward redoes the [M, 2I] factors (and, for the MLP, ``a``) in this many column
 #: pieces, each released before the next is made, so only one piece is alive beside the gradients.
 #: Two, because dX is then the sum of two partial products rounded to x's dtype, as in eager
@@ -59,37 +56,41 @@ def _recompute_pieces(inter: int) -> tuple[int, int]:
     return pieces, inter // pieces
 
 
-def _forward(x, w_gate_up, *, save: Saved, write_a: bool = True, low_rank=None, caller_key=None, **scales):
+def _forward(
+    x, w_gate_up, *, save: Saved, write_a: bool = True, low_rank=None, caller_key=None, **multipliers
+):
     """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus an in-place pass (same contract)."""
     on_gpu = not interpreting()
     if low_rank is None and forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
-        return glu_forward_ws(x, w_gate_up, save=save, caller_key=caller_key, **scales)
+        return glu_forward_ws(x, w_gate_up, save=save, caller_key=caller_key, **multipliers)
     split = gemms_on_cublas(x.dtype, on_gpu) or not low_rank_in_kernel(low_rank)
     launch = glu_forward_split if split else glu_forward
     options = {"save": save, "write_a": write_a, "low_rank": low_rank, "caller_key": caller_key}
-    return launch(x, w_gate_up, **options, **scales)
+    return launch(x, w_gate_up, **options, **multipliers)
 
 
-def _backward_(dy, w_down, saved, *, save, caller_key=None, **scales):
+def _backward_(dy, w_down, saved, *, save, caller_key=None, **multipliers):
     """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus a gradient pass (same contract: the gradient over ``saved``)."""
     on_gpu = not interpreting()
     if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, save):
-        return glu_backward_ws_(dy, w_down, saved, save=save, caller_key=caller_key, **scales)
+        return glu_backward_ws_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
     launch = glu_backward_split_ if gemms_on_cublas(dy.dtype, on_gpu) else glu_backward_
-    return launch(dy, w_down, saved, save=save, caller_key=caller_key, **scales)
+    return launch(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
 
 
-def _glu_no_grad(x, w_gate_up, gate_scale: float, out_scale: float, caller_key=None, low_rank=None):
-    """``out_scale * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
-    scales = {"gate_scale": gate_scale, "out_scale": out_scale}
+def _glu_no_grad(
+    x, w_gate_up, gate_multiplier: float, down_multiplier: float, caller_key=None, low_rank=None
+):
+    """``down_multiplier * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
+    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     if inference_uses_cublas(x.shape[0]):
         h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
         if low_rank is not None:
             h.addmm_(low_rank[0], low_rank[1].t())
-        return glu_activation(h, caller_key=caller_key, **scales)
-    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, low_rank=low_rank, caller_key=caller_key, **scales)
+        return glu_activation(h, caller_key=caller_key, **multipliers)
+    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, low_rank=low_rank, caller_key=caller_key, **multipliers)
     return a
 
 
@@ -104,27 +105,27 @@ def swiglu_linear_no_grad(x, w_gate_up, gate_multiplier: float, caller_key=None,
     return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0, caller_key, low_rank)
 
 
-def mlp_forward(x, w_gate_up, w_down, kept: Saved, scales: dict, caller_key=None):
+def mlp_forward(x, w_gate_up, w_down, save: Saved, multipliers: dict, caller_key=None):
     """y, the saved packed tensor (``None`` for ``Saved.NOTHING``) and ``a`` scaled by the down
     multiplier (``None`` unless the factors are saved, where dW_down needs it)."""
-    a, saved = _forward(x, w_gate_up, save=kept, caller_key=caller_key, **scales)
+    a, saved = _forward(x, w_gate_up, save=save, caller_key=caller_key, **multipliers)
     y = torch.mm(a, w_down.t())
     # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
-    return y, saved, a if kept == Saved.FACTORS else None
+    return y, saved, a if save == Saved.FACTORS else None
 
 
-def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, needs, caller_key=None):
+def mlp_backward_(dy, x, w_gate_up, w_down, saved, save: Saved, multipliers: dict, needs, caller_key=None):
     """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
 
     Overwrites ``saved`` with the packed pre-activation gradient. With saved factors, dW_down needs
     ``a``, which the caller holds: it makes dW_down itself, and ``needs`` must not ask for it here.
     """
     need_dx, need_dw_gate_up, need_dw_down = needs
-    if kept == Saved.NOTHING:
-        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, *needs)
-    assert not (kept == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
+    if save == Saved.NOTHING:
+        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, *needs)
+    assert not (save == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
     # a, recomputed for saved pre-activations
-    recomputed = _backward_(dy, w_down, saved, save=kept, caller_key=caller_key, **scales)
+    recomputed = _backward_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
     dw_down = torch.mm(dy.t(), recomputed) if need_dw_down else None
     del recomputed
     dx = torch.mm(saved, w_gate_up) if need_dx else None  # saved now holds [dU | dG], packed
@@ -132,18 +133,18 @@ def mlp_backward_(dy, x, w_gate_up, w_down, saved, kept: Saved, scales: dict, ne
     return dx, dw_gate_up, dw_down
 
 
-def linear_forward(x, w_gate_up, gate_multiplier: float, kept: Saved, caller_key=None, low_rank=None):
+def linear_forward(x, w_gate_up, gate_multiplier: float, save: Saved, caller_key=None, low_rank=None):
     """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
-    scales = {"gate_scale": gate_multiplier, "out_scale": 1.0}
-    return _forward(x, w_gate_up, save=kept, low_rank=low_rank, caller_key=caller_key, **scales)
+    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": 1.0}
+    return _forward(x, w_gate_up, save=save, low_rank=low_rank, caller_key=caller_key, **multipliers)
 
 
 def linear_backward_(
-    da, x, w_gate_up, factors, kept: Saved, gate_multiplier: float, needs, caller_key=None, low_rank=None
+    da, x, w_gate_up, factors, save: Saved, gate_multiplier: float, needs, caller_key=None, low_rank=None
 ):
     """(dX, packed dW_gate_up, dU, dV), each ``None`` where ``needs`` says it is not needed (or there is
     no low-rank term); overwrites the saved ``factors`` with the packed pre-activation gradient."""
-    if kept == Saved.NOTHING:
+    if save == Saved.NOTHING:
         return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, needs, low_rank)
     grad = glu_grad_(da, factors, caller_key=caller_key)  # [dU | dG], over the factors
     return _glu_grads(grad, x, w_gate_up, needs, low_rank)
@@ -167,7 +168,7 @@ def _glu_grads(grad, x, w_gate_up, needs, low_rank, out=None):
     return dx, dw, du, dv
 
 
-def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gate_up, need_dw_down):
+def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, need_dx, need_dw_gate_up, need_dw_down):
     """dX and the packed dW_gate_up and dW_down of the MLP, ``a`` and the factors recomputed piece by
     piece: piece k covers intermediate columns [k * width, (k + 1) * width), packed weight rows
     [2k * width, 2(k + 1) * width) (whole chunks). Factors rather than pre-activations: the forward
@@ -179,8 +180,10 @@ def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, scales, need_dx, need_dw_gat
     for k in range(pieces):
         rows, cols = slice(2 * k * width, 2 * (k + 1) * width), slice(k * width, (k + 1) * width)
         w_piece = w_gate_up[rows]  # row and column blocks of TMA-ready weights stay TMA-ready
-        a, grad = _forward(x, w_piece, save=Saved.FACTORS, **scales)
-        _backward_(dy, w_down[:, cols], grad, save=Saved.FACTORS, **scales)  # grad: the piece's [dU | dG]
+        a, grad = _forward(x, w_piece, save=Saved.FACTORS, **multipliers)
+        _backward_(
+            dy, w_down[:, cols], grad, save=Saved.FACTORS, **multipliers
+        )  # grad: the piece's [dU | dG]
         if need_dw_down:
             torch.mm(dy.t(), a, out=dw_down[:, cols])  # a carries the down multiplier
         del a
@@ -208,8 +211,8 @@ def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, low_r
         _, grad = _forward(
             x,
             w_gate_up[rows],
-            gate_scale=gate_multiplier,
-            out_scale=1.0,
+            gate_multiplier=gate_multiplier,
+            down_multiplier=1.0,
             save=Saved.FACTORS,
             write_a=False,
             low_rank=piece_low_rank,

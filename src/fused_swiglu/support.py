@@ -16,11 +16,10 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _kernels_built_for(device_index: int) -> bool:
     """Whether the fused kernels' tiles are built for this GPU: Hopper (compute capability 9.x).
 
-    They are sized for Hopper's 227 KB of shared memory per block and tested there. Compiled for
-    Blackwell, the pre-activation backward tile needs 256 KB on sm_100, and on sm_120 (99 KB) 28 of
-    the 30 tiles picked at llama3-8b do not fit or spill (python -m fused_swiglu.bench.resources --arch), so
-    newer GPUs take the PyTorch reference, with a warning once; older ones have no TMA. Cached: this
-    runs on every call.
+    They are sized for Hopper's 227 KB of shared memory per block and tested there; compiled for
+    Blackwell, tiles overflow its shared memory or spill (docs/design/kernel-choice.md), so newer GPUs
+    take the PyTorch reference, with a warning once; older ones have no TMA. Cached: this runs on
+    every call.
     """
     major, minor = torch.cuda.get_device_capability(device_index)
     if major > 9:

@@ -88,7 +88,7 @@ def measure_factor_gradient(m: int, hidden: int, inter: int, dtype: torch.dtype 
     """The in-place [f_up | f_gate] * dA step alone: the Triton kernel against a broadcast ``mul_``."""
     x = torch.randn(m, hidden, device="cuda", dtype=dtype)
     w = torch.randn(2 * inter, hidden, device="cuda", dtype=dtype) * hidden**-0.5
-    _, pristine = glu_forward(x, w, gate_scale=1.0, out_scale=1.0, save=Saved.FACTORS)
+    _, pristine = glu_forward(x, w, gate_multiplier=1.0, down_multiplier=1.0, save=Saved.FACTORS)
     da = torch.randn(m, inter, device="cuda", dtype=dtype)
     work = pristine.clone()
     chunk = 8

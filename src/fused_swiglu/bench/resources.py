@@ -91,7 +91,7 @@ def forward_kernel(
         constants["s_desc"] = None
     else:
         descriptors["s_desc"] = _descriptor_type([cfg.block_m, 2 * width], dtype)
-    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_multiplier": "fp32", "down_multiplier": "fp32"}
     return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg, target)
 
 
@@ -100,30 +100,30 @@ def backward_kernel(
     hidden: int,
     inter: int,
     dtype: torch.dtype,
-    kind: Saved,
+    save: Saved,
     precision: str,
     cfg: TileConfig | None = None,
     target: GPUTarget = SM90,
     own_grad: bool = False,
 ):
     """In place (the eager path), or with ``own_grad`` storing into a gradient buffer of its own."""
-    cfg = cfg or backward_config(m, hidden, inter, dtype, True, kind)
+    cfg = cfg or backward_config(m, hidden, inter, dtype, True, save)
     width = cfg.block_n // cfg.epilogue_split
     descriptors = {
         "dy_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
         "wd_desc": _descriptor_type([cfg.block_k, cfg.block_n], dtype),
         "s_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
     }
-    constants = {"SAVED": int(kind), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
     if own_grad:
         descriptors["g_desc"] = descriptors["s_desc"]
     else:
         constants["g_desc"] = None
-    if kind == Saved.PREACT:
+    if save == Saved.PREACT:
         descriptors["a_desc"] = _descriptor_type([cfg.block_m, width], dtype)
     else:
         constants["a_desc"] = None
-    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_scale": "fp32", "out_scale": "fp32"}
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_multiplier": "fp32", "down_multiplier": "fp32"}
     return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg, target)
 
 
@@ -142,19 +142,21 @@ def _compile_gluon(fn, blocks: dict, constants: dict, c: hopper_ws.WSLaunch, dty
     constants = {**constants, **meta}
     constants |= {name: None for name, block in blocks.items() if block is None}
     signature = {name: _gluon_descriptor_type(block, dtype) for name, block in blocks.items() if block}
-    signature |= dict.fromkeys(("M", "N", "K"), "i32") | dict.fromkeys(("gate_scale", "out_scale"), "fp32")
+    signature |= dict.fromkeys(("M", "N", "K"), "i32") | dict.fromkeys(
+        ("gate_multiplier", "down_multiplier"), "fp32"
+    )
     signature |= dict.fromkeys(constants, "constexpr")
     signature = {name: signature[name] for name in fn.arg_names}
     return triton.compile(GluonASTSource(fn, signature, constants), target=target, options=options)
 
 
 def warp_specialized_backward_kernel(
-    dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90, own_grad: bool = False
+    dtype: torch.dtype, save: Saved, target: GPUTarget = SM90, own_grad: bool = False
 ):
-    """The Gluon backward for one kind of saved tensor (its one config), in place or ``own_grad``."""
-    c = glu_backward_ws.CONFIGS[kind]
+    """The Gluon backward for one saved tensor (its one config), in place or ``own_grad``."""
+    c = glu_backward_ws.CONFIGS[save]
     width = c.piece_width
-    a_block = [c.block_m, width] if kind == Saved.PREACT else None
+    a_block = [c.block_m, width] if save == Saved.PREACT else None
     blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
     blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": a_block}
     blocks["g_desc"] = blocks["s_desc"] if own_grad else None
@@ -163,7 +165,7 @@ def warp_specialized_backward_kernel(
 
 
 def ping_pong_backward_kernel(
-    dtype: torch.dtype, kind: Saved, target: GPUTarget = SM90, own_grad: bool = False
+    dtype: torch.dtype, save: Saved, target: GPUTarget = SM90, own_grad: bool = False
 ):
     """The Gluon backward's ping-pong launch (saved factors, small hidden sizes), in place or ``own_grad``."""
     c = glu_backward_ws.PING_PONG
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
         return 2
     kernels = [(forward_kernel, save) for save in (Saved.NOTHING, Saved.FACTORS, Saved.PREACT)]
-    kernels += [(backward_kernel, kind) for kind in (Saved.FACTORS, Saved.PREACT)]
+    kernels += [(backward_kernel, save) for save in (Saved.FACTORS, Saved.PREACT)]
     seen: dict[tuple, dict] = {}
     failed = []
     # fp32 follows torch.backends.cuda.matmul.allow_tf32 (kernels.common.dot_precision): the three-pass
@@ -262,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         if not _report(label, _tile(cfg), seen[key], precision, SHARED_LIMIT[args.arch]):
             failed.append(label)
     # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
-    for name, kind in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):
+    for name, save in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):
         m, hidden, inter = SHAPES[name]
-        problem = (m, hidden, inter, torch.bfloat16, kind, "tf32")
+        problem = (m, hidden, inter, torch.bfloat16, save, "tf32")
         cfg, kernel = backward_kernel(*problem, target=target, own_grad=True)
-        label = f"{name} M={m} bfloat16 backward {kind.name} (own grad)"
+        label = f"{name} M={m} bfloat16 backward {save.name} (own grad)"
         if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
             failed.append(label)
     if args.arch == 90 and hopper_ws.AVAILABLE:  # wgmma: Hopper only

@@ -21,6 +21,14 @@ class Saved(enum.IntEnum):
     FACTORS = 1  # [silu(g) | gate_multiplier * u * silu'(g)], packed [M, 2I]
     PREACT = 2  # [u | x @ Wg^T] as accumulated (gate_multiplier not applied), packed [M, 2I]
 
+    @classmethod
+    def of(cls, save: str) -> Saved:
+        """What the training forward writes for the save mode ``save`` (``"recompute"``: nothing)."""
+        return _SAVED_BY_MODE[save]
+
+
+_SAVED_BY_MODE = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
+
 
 #: Programs of a persistent launch on a CPU tensor (interpreter): small, so tests walk the tile loop.
 INTERPRETER_PROGRAMS = 3
@@ -38,7 +46,7 @@ def interpreting() -> bool:
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids. Host code uses this rather than ``triton.cdiv``, which triton
-    3.6 makes a constexpr function: about 2 us a call on a fast host, for a few calls a step."""
+    3.6 makes a constexpr function, microseconds a call on the host path of every launch."""
     return -(-a // b)
 
 
@@ -140,9 +148,9 @@ def dot_precision(dtype: torch.dtype) -> str:
     """How ``tl.dot`` multiplies: fp32 follows PyTorch's TF32 switch, never less exact than ``torch.mm``.
 
     With TF32 allowed, fp32 runs three TF32 products per step ("tf32x3"), not one: a single TF32 pass
-    on Hopper drops the low mantissa bits of each operand (truncation, where cuBLAS rounds) and measured
-    3.1x eager PyTorch's error on the H200 (1.6e-3 against 5.1e-4, tests/test_functional.py). Half
-    precision inputs multiply exactly on tensor cores whatever the setting.
+    on Hopper drops the low mantissa bits of each operand (truncation, where cuBLAS rounds), about
+    three times eager PyTorch's error (docs/design/kernel-choice.md). Half precision inputs multiply
+    exactly on tensor cores whatever the setting.
     """
     if dtype != torch.float32:
         return "tf32"

@@ -1,11 +1,11 @@
-"""SwiGLU of a packed pre-activation already in memory: a = out_scale * silu(gate_scale * g) * u.
+"""SwiGLU of a packed pre-activation already in memory: a = down_multiplier * silu(gate_multiplier * g) * u.
 
 The pass that finishes a cuBLAS x @ W_packed^T where the fused kernel is not used:
 
 * decode-sized inference (a few rows streams the whole packed weight for very little arithmetic,
   and cuBLAS reads it faster than the fused kernel's tiles, docs/design/kernel-choice.md): ``a`` only;
 * fp32 (``kernels/glu_split.py``): for training it also turns the pre-activation into the saved
-  factors [silu(g) | gate_scale * u * silu'(g)] in place, as the fused kernel's epilogue would.
+  factors [silu(g) | gate_multiplier * u * silu'(g)] in place, as the fused kernel's epilogue would.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def _glu_activation_kernel(
     N,
     stride_h,
     stride_a,
-    gate_scale,
-    out_scale,
+    gate_multiplier,
+    down_multiplier,
     FACTORS_IN_PLACE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -40,16 +40,16 @@ def _glu_activation_kernel(
     mask = (o_rows[:, None] < M) & (o_cols[None, :] < N)
     p_up = h_ptr + o_rows[:, None] * stride_h + o_up[None, :]
     b_up = tl.load(p_up, mask=mask).to(tl.float32)
-    b_g = tl.load(p_up + CHUNK_, mask=mask).to(tl.float32) * gate_scale
+    b_g = tl.load(p_up + CHUNK_, mask=mask).to(tl.float32) * gate_multiplier
     b_silu, b_slope = silu_and_slope(b_g)
     if a_ptr is not None:
-        b_a = b_silu * b_up * out_scale
+        b_a = b_silu * b_up * down_multiplier
         tl.store(
             a_ptr + o_rows[:, None] * stride_a + o_cols[None, :], b_a.to(a_ptr.dtype.element_ty), mask=mask
         )
     if FACTORS_IN_PLACE:
         tl.store(p_up, b_silu.to(h_ptr.dtype.element_ty), mask=mask)
-        tl.store(p_up + CHUNK_, (b_up * b_slope * gate_scale).to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_up + CHUNK_, (b_up * b_slope * gate_multiplier).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 _launch_activation = KernelLauncher(_glu_activation_kernel)
@@ -58,8 +58,8 @@ _launch_activation = KernelLauncher(_glu_activation_kernel)
 def glu_activation(
     h: torch.Tensor,
     *,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     factors_in_place: bool = False,
     write_a: bool = True,
     caller_key=None,
@@ -86,8 +86,8 @@ def glu_activation(
         inter,
         h.stride(0),
         inter if a is None else a.stride(0),
-        float(gate_scale),
-        float(out_scale),
+        float(gate_multiplier),
+        float(down_multiplier),
         FACTORS_IN_PLACE=factors_in_place,
         BM=block_m,
         BN=block_n,

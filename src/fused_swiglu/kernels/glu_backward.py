@@ -45,25 +45,25 @@ def _backward_epilogue(
     a_desc,
     o_m,
     o_n,
-    gate_scale,
-    out_scale,
-    SAVED: tl.constexpr,
+    gate_multiplier,
+    down_multiplier,
+    SAVE: tl.constexpr,
     BM: tl.constexpr,
     W: tl.constexpr,
     CHUNK_: tl.constexpr,
 ):
     b_first, b_second = unpack_columns(s_desc.load([o_m, 2 * o_n]).to(tl.float32), BM, 2 * W, CHUNK_)
-    if SAVED == 1:
-        # Saved factors: silu(g) and gate_scale * u * silu'(g). Two multiplies, no sigmoid.
+    if SAVE == 1:
+        # Saved factors: silu(g) and gate_multiplier * u * silu'(g). Two multiplies, no sigmoid.
         b_dup = b_da * b_first
         b_dgate = b_da * b_second
     else:
         # Saved pre-activations: u and the unscaled gate accumulator.
-        b_g = b_second * gate_scale
+        b_g = b_second * gate_multiplier
         b_silu, b_slope = silu_and_slope(b_g)
         b_dup = b_da * b_silu
-        b_dgate = b_da * b_first * b_slope * gate_scale
-        a_desc.store([o_m, o_n], (b_silu * b_first * out_scale).to(a_desc.dtype))
+        b_dgate = b_da * b_first * b_slope * gate_multiplier
+        a_desc.store([o_m, o_n], (b_silu * b_first * down_multiplier).to(a_desc.dtype))
     b_grad = pack_columns(b_dup, b_dgate, BM, 2 * W, CHUNK_).to(s_desc.dtype)
     if g_desc is None:  # in place
         s_desc.store([o_m, 2 * o_n], b_grad)
@@ -77,13 +77,13 @@ def _glu_backward_kernel(
     wd_desc,  # [K, N]: W_down
     s_desc,  # [M, 2N] packed: saved tensor in
     g_desc,  # [M, 2N] packed gradient out, or None: over the saved tensor (in place)
-    a_desc,  # [M, N] recomputed a (SAVED == 2), else None
+    a_desc,  # [M, N] recomputed a (SAVE == 2), else None
     M,
     N,
     K,
-    gate_scale,
-    out_scale,
-    SAVED: tl.constexpr,
+    gate_multiplier,
+    down_multiplier,
+    SAVE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -105,36 +105,113 @@ def _glu_backward_kernel(
             b_dy = dy_desc.load([o_m, i_k * BK])  # [BM, BK]
             b_wd = wd_desc.load([i_k * BK, o_n])  # [BK, BN]
             b_acc = tl.dot(b_dy, b_wd, b_acc, input_precision=DOT_PRECISION)
-        b_acc = b_acc * out_scale  # y carries the down multiplier, so dA does too
+        b_acc = b_acc * down_multiplier  # y carries the down multiplier, so dA does too
         W: tl.constexpr = BN // EPI_SPLIT
         if EPI_SPLIT == 1:
             _backward_epilogue(
-                b_acc, s_desc, g_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                b_acc,
+                s_desc,
+                g_desc,
+                a_desc,
+                o_m,
+                o_n,
+                gate_multiplier,
+                down_multiplier,
+                SAVE,
+                BM,
+                W,
+                CHUNK_,
             )
         else:
             # Column pieces, each whole packed chunks: smaller staging buffers for the saved tile.
             b_lo, b_hi = split_halves(b_acc, BM, BN)
             if EPI_SPLIT == 2:
                 _backward_epilogue(
-                    b_lo, s_desc, g_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_lo,
+                    s_desc,
+                    g_desc,
+                    a_desc,
+                    o_m,
+                    o_n,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _backward_epilogue(
-                    b_hi, s_desc, g_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_hi,
+                    s_desc,
+                    g_desc,
+                    a_desc,
+                    o_m,
+                    o_n + W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
             else:
                 b_0, b_1 = split_halves(b_lo, BM, BN // 2)
                 b_2, b_3 = split_halves(b_hi, BM, BN // 2)
                 _backward_epilogue(
-                    b_0, s_desc, g_desc, a_desc, o_m, o_n, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_0,
+                    s_desc,
+                    g_desc,
+                    a_desc,
+                    o_m,
+                    o_n,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _backward_epilogue(
-                    b_1, s_desc, g_desc, a_desc, o_m, o_n + W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_1,
+                    s_desc,
+                    g_desc,
+                    a_desc,
+                    o_m,
+                    o_n + W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _backward_epilogue(
-                    b_2, s_desc, g_desc, a_desc, o_m, o_n + 2 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_2,
+                    s_desc,
+                    g_desc,
+                    a_desc,
+                    o_m,
+                    o_n + 2 * W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _backward_epilogue(
-                    b_3, s_desc, g_desc, a_desc, o_m, o_n + 3 * W, gate_scale, out_scale, SAVED, BM, W, CHUNK_
+                    b_3,
+                    s_desc,
+                    g_desc,
+                    a_desc,
+                    o_m,
+                    o_n + 3 * W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
 
 
@@ -146,8 +223,8 @@ def glu_backward_(
     w_down: torch.Tensor,
     saved: torch.Tensor,
     *,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     save: Saved,
     config: TileConfig | None = None,
     grad: torch.Tensor | None = None,
@@ -157,7 +234,7 @@ def glu_backward_(
     ``grad`` (the same shape) where given, leaving ``saved`` as it was.
 
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable. Returns the recomputed
-    ``out_scale * a`` [M, I] when ``save`` is ``Saved.PREACT``, else ``None``.
+    ``down_multiplier * a`` [M, I] when ``save`` is ``Saved.PREACT``, else ``None``.
     """
     if save == Saved.NOTHING:
         raise ValueError("the backward needs saved factors or pre-activations")
@@ -178,9 +255,9 @@ def glu_backward_(
         m,
         inter,
         hidden,
-        float(gate_scale),
-        float(out_scale),
-        SAVED=int(save),
+        float(gate_multiplier),
+        float(down_multiplier),
+        SAVE=int(save),
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,
         **cfg.kernel_meta(),

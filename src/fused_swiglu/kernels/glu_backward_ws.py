@@ -1,6 +1,6 @@
 """Backward stage 1 as a warp-specialized kernel (Gluon, Hopper), for saved factors or pre-activations.
 
-The same result as ``glu_backward_(...)``: dA = out_scale * dY @ W_down, tile by tile, meets the saved
+The same result as ``glu_backward_(...)``: dA = down_multiplier * dY @ W_down, tile by tile, meets the saved
 packed tile and overwrites it with [dU | dG], in place (or writes that to a tensor of its own, given
 ``grad``); with saved pre-activations it also writes the recomputed ``a`` (for dW_down). Besides the
 operand loader and the consumers (``hopper_ws``), each program has a saved-tile loader (one warp):
@@ -17,7 +17,7 @@ Two launch shapes. Cooperative: both consumer warpgroups work on one [128, 256] 
 cores idle while they run its epilogue. Ping-pong (saved factors): each consumer warpgroup owns whole
 [128, 128] tiles, alternate ones, and the two take turns at the main loop, so one's epilogue runs
 while the other multiplies. The epilogue's share of a tile grows as the hidden size shrinks, and
-so does what ping-pong gains (item 33).
+so does what ping-pong gains (docs/design/kernel-choice.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class WSConfig(ws.WSLaunch):
         return rings | ({"a_buffers": self.a_buffers} if self.a_buffers else {})
 
 
-#: Per kind of saved tensor, chosen among drafts on the H200 (docs/design/kernel-choice.md); with
+#: Per saved tensor (``Saved``), chosen among drafts on the H200 (docs/design/kernel-choice.md); with
 #: saved pre-activations half the saved buffers are handed to ``a``.
 CONFIGS = {Saved.FACTORS: WSConfig(), Saved.PREACT: WSConfig(saved_buffers=4, a_buffers=4)}
 
@@ -74,7 +74,7 @@ PING_PONG = PingPongConfig()
 
 
 def backward_config(save: Saved, hidden: int) -> WSConfig:
-    """The launch shape for this kind of saved tensor and hidden size."""
+    """The launch shape for this saved tensor and hidden size."""
     if save == Saved.FACTORS and hidden <= PING_PONG_MAX_HIDDEN:
         return PING_PONG
     return CONFIGS[save]
@@ -110,25 +110,27 @@ if AVAILABLE:
                 g += 1
 
     @gluon.jit
-    def _gradient_piece(b_da, b_saved, gate_scale, out_scale, PREACT: gl.constexpr, CHUNK_: gl.constexpr):
-        """[dU | dG] (packed) of one piece, and out_scale * a where the saved piece is [u | g]."""
+    def _gradient_piece(
+        b_da, b_saved, gate_multiplier, down_multiplier, PREACT: gl.constexpr, CHUNK_: gl.constexpr
+    ):
+        """[dU | dG] (packed) of one piece, and down_multiplier * a where the saved piece is [u | g]."""
         if PREACT:
             b_u, b_g = ws.unpack(b_saved, CHUNK_)
             # The same element-to-thread map as b_da, written differently after the reshapes: no data moves.
             b_u = gl.convert_layout(b_u, b_da.type.layout)
-            b_silu, b_slope = ws.silu_and_slope(gl.convert_layout(b_g, b_da.type.layout) * gate_scale)
-            b_grad = ws.pack(b_da * b_silu, b_da * b_u * b_slope * gate_scale, CHUNK_)
-            b_a = b_silu * b_u * out_scale
+            b_silu, b_slope = ws.silu_and_slope(gl.convert_layout(b_g, b_da.type.layout) * gate_multiplier)
+            b_grad = ws.pack(b_da * b_silu, b_da * b_u * b_slope * gate_multiplier, CHUNK_)
+            b_a = b_silu * b_u * down_multiplier
         else:
-            # The saved [silu(g) | gate_scale * u * silu'(g)] times dA lined up with both halves.
+            # The saved [silu(g) | gate_multiplier * u * silu'(g)] times dA lined up with both halves.
             b_grad = b_saved * ws.pack(b_da, b_da, CHUNK_)
             b_a = b_da  # unused
         return b_grad, b_a
 
     @gluon.jit
     def _epilogue_piece(
-        b_da, g, s_desc, g_desc, saved, a_desc, a_bufs, o_m, o_n, gate_scale, out_scale, LAG: gl.constexpr,
-        CHUNK_: gl.constexpr
+        b_da, g, s_desc, g_desc, saved, a_desc, a_bufs, o_m, o_n, gate_multiplier, down_multiplier,
+        LAG: gl.constexpr, CHUNK_: gl.constexpr
     ):  # fmt: skip
         """Piece ``g`` of this program: ``b_da`` [BM, W] is dA for intermediate columns [o_n, o_n + W)."""
         PREACT: gl.constexpr = a_desc is not None
@@ -139,7 +141,7 @@ if AVAILABLE:
         buf = s_bufs.index(idx)
         mbarrier.wait(s_ready.index(idx), (g // NSAVED) & 1)
         b_saved = buf.load(packed_layout).to(gl.float32)
-        b_grad, b_a = _gradient_piece(b_da, b_saved, gate_scale, out_scale, PREACT, CHUNK_)
+        b_grad, b_a = _gradient_piece(b_da, b_saved, gate_multiplier, down_multiplier, PREACT, CHUNK_)
         buf.store(b_grad.to(s_desc.dtype))
         if PREACT:
             a_buf = a_bufs.index(g % a_bufs.type.shape[0])
@@ -159,8 +161,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumers(
-        s_desc, g_desc, a_desc, ring, saved, a_bufs, turns, problem, gate_scale, out_scale, BN: gl.constexpr,
-        GROUP_M: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, FIRST: gl.constexpr,
+        s_desc, g_desc, a_desc, ring, saved, a_bufs, turns, problem, gate_multiplier, down_multiplier,
+        BN: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, FIRST: gl.constexpr,
         STEP: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
         """One consumer group's tiles, ``pid + (FIRST + STEP * n) * nprog`` (see ``_saved_loader``).
@@ -195,11 +197,11 @@ if AVAILABLE:
             if turns is not None:
                 mbarrier.arrive(turns[1], count=1)
             # y carries the down multiplier, so dA does too
-            pieces = ws.split_pieces(acc * out_scale, BN // W)
+            pieces = ws.split_pieces(acc * down_multiplier, BN // W)
             for p in gl.static_range(BN // W):
                 g = _epilogue_piece(
                     pieces[p], g, s_desc, g_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W,
-                    gate_scale, out_scale, LAG, CHUNK_
+                    gate_multiplier, down_multiplier, LAG, CHUNK_
                 )  # fmt: skip
         tma.store_wait(pendings=0)
 
@@ -211,9 +213,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _glu_backward_ws_kernel(
-        dy_desc, wd_desc, s_desc, g_desc, a_desc, M, N, K, gate_scale, out_scale, GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr, NSAVED: gl.constexpr, NA: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr,
-        WORKER_REGS: gl.constexpr, num_warps: gl.constexpr
+        dy_desc, wd_desc, s_desc, g_desc, a_desc, M, N, K, gate_multiplier, down_multiplier,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NSAVED: gl.constexpr, NA: gl.constexpr,
+        LAG: gl.constexpr, CHUNK_: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
         """``a_desc`` is None for saved factors (nothing to recompute), ``a``'s descriptor for [u | g]."""
         BN: gl.constexpr = wd_desc.block_type.shape[1]
@@ -237,8 +239,8 @@ if AVAILABLE:
                         a_bufs,
                         None,
                         problem,
-                        gate_scale,
-                        out_scale,
+                        gate_multiplier,
+                        down_multiplier,
                         BN,
                         GROUP_M,
                         LAG,
@@ -257,9 +259,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _glu_backward_pp_kernel(
-        dy_desc, wd_desc, s_desc, g_desc, M, N, K, out_scale, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        NSAVED: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, WORKER_REGS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr
+        dy_desc, wd_desc, s_desc, g_desc, M, N, K, down_multiplier, GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr, NSAVED: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr,
+        WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
         """Saved factors, two consumer groups of ``num_warps`` warps taking turns (ping-pong)."""
         BN: gl.constexpr = wd_desc.block_type.shape[1]
@@ -270,18 +272,18 @@ if AVAILABLE:
         problem = (M, N, K, gl.program_id(0), gl.num_programs(0))
         turn0 = (turns.index(0), turns.index(1))
         turn1 = (turns.index(1), turns.index(0))
-        # gate_scale (1.0 here) is already in the saved factors; the saved buffers stand in for the unused
-        # a buffers.
+        # gate_multiplier (1.0 here) is already in the saved factors; the saved buffers stand in for
+        # the unused a buffers.
         gl.warp_specialize(
             [
                 (
                     _consumers,
-                    (s_desc, g_desc, None, ring, saved0, saved0[0], turn0, problem, 1.0, out_scale, BN,
+                    (s_desc, g_desc, None, ring, saved0, saved0[0], turn0, problem, 1.0, down_multiplier, BN,
                      GROUP_M, LAG, CHUNK_, 0, 2, num_warps),
                 ),
                 (
                     _consumers,
-                    (s_desc, g_desc, None, ring, saved1, saved1[0], turn1, problem, 1.0, out_scale, BN,
+                    (s_desc, g_desc, None, ring, saved1, saved1[0], turn1, problem, 1.0, down_multiplier, BN,
                      GROUP_M, LAG, CHUNK_, 1, 2, num_warps),
                 ),
                 (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
@@ -302,8 +304,8 @@ def glu_backward_ws_(
     saved: torch.Tensor,
     *,
     save: Saved,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     config: WSConfig | None = None,
     grad: torch.Tensor | None = None,
     caller_key=None,
@@ -311,7 +313,7 @@ def glu_backward_ws_(
     """Write [dU | dG] over the saved packed [M, 2I] tensor, in place, or into ``grad`` (the same
     shape and strides) where given, leaving the saved tensor as it was (bf16/fp16, sm_90).
 
-    Returns the recomputed ``out_scale * a`` [M, I] for saved pre-activations, ``None`` for factors.
+    Returns the recomputed ``down_multiplier * a`` [M, I] for saved pre-activations, ``None`` for factors.
     ``dy`` [M, H] and ``w_down`` [H, I] must be TMA-addressable.
     """
     if save not in CONFIGS:
@@ -338,7 +340,7 @@ def glu_backward_ws_(
             m,
             inter,
             hidden,
-            float(out_scale),
+            float(down_multiplier),
             NSAVED=c.saved_buffers,
             caller_key=caller_key,
             **c.meta(),
@@ -352,8 +354,8 @@ def glu_backward_ws_(
         m,
         inter,
         hidden,
-        float(gate_scale),
-        float(out_scale),
+        float(gate_multiplier),
+        float(down_multiplier),
         NSAVED=c.saved_buffers,
         NA=max(c.a_buffers, 1),
         **c.meta(),

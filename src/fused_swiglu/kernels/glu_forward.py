@@ -5,9 +5,9 @@ Each tile reads one contiguous [2*BN, BK] slab of the packed weight per step, so
 intermediate columns: x is loaded once for both projections. The epilogue de-interleaves the
 accumulator in registers and writes
 
-* ``a = out_scale * silu(gate_scale * gate) * up`` (``out_scale`` is the down multiplier: folding it
-  here makes both down-projection GEMMs plain ``mm`` calls), and, for training, one of
-* the factors ``[silu(g) | gate_scale * up * silu'(g)]`` (backward is two multiplies), or
+* ``a = down_multiplier * silu(gate_multiplier * gate) * up`` (folding the down multiplier here makes
+  both down-projection GEMMs plain ``mm`` calls), and, for training, one of
+* the factors ``[silu(g) | gate_multiplier * up * silu'(g)]`` (backward is two multiplies), or
 * the raw accumulator ``[up | gate]`` (backward recomputes the sigmoid; ``a`` need not be kept).
 
 With a low-rank term (LoRA adapters on gate and up), one more ``tl.dot`` per tile adds
@@ -54,20 +54,20 @@ def _forward_epilogue(
     s_desc,
     o_m,
     o_n,
-    gate_scale,
-    out_scale,
+    gate_multiplier,
+    down_multiplier,
     SAVE: tl.constexpr,
     BM: tl.constexpr,
     W: tl.constexpr,
     CHUNK_: tl.constexpr,
 ):
     b_up, b_gate = unpack_columns(b_acc, BM, W, CHUNK_)  # [BM, W/2] each
-    b_g = b_gate * gate_scale
+    b_g = b_gate * gate_multiplier
     b_silu, b_slope = silu_and_slope(b_g)
     if a_desc is not None:
-        a_desc.store([o_m, o_n], (b_silu * b_up * out_scale).to(a_desc.dtype))
+        a_desc.store([o_m, o_n], (b_silu * b_up * down_multiplier).to(a_desc.dtype))
     if SAVE == 1:
-        b_factors = pack_columns(b_silu, b_up * b_slope * gate_scale, BM, W, CHUNK_)
+        b_factors = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, W, CHUNK_)
         s_desc.store([o_m, 2 * o_n], b_factors.to(s_desc.dtype))
     elif SAVE == 2:
         s_desc.store([o_m, 2 * o_n], b_acc.to(s_desc.dtype))
@@ -86,8 +86,8 @@ def _glu_forward_kernel(
     M,
     N,
     K,
-    gate_scale,
-    out_scale,
+    gate_multiplier,
+    down_multiplier,
     SAVE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -123,27 +123,63 @@ def _glu_forward_kernel(
         W: tl.constexpr = 2 * BN // EPI_SPLIT  # packed columns per epilogue piece
         N_W: tl.constexpr = W // 2  # intermediate columns per piece
         if EPI_SPLIT == 1:
-            _forward_epilogue(b_acc, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
+            _forward_epilogue(
+                b_acc, a_desc, s_desc, o_m, o_n, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
+            )
         else:
             # Column pieces, each still whole packed chunks: smaller epilogue staging buffers.
             b_lo, b_hi = split_halves(b_acc, BM, 2 * BN)
             if EPI_SPLIT == 2:
-                _forward_epilogue(b_lo, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
                 _forward_epilogue(
-                    b_hi, a_desc, s_desc, o_m, o_n + N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                    b_lo, a_desc, s_desc, o_m, o_n, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
+                )
+                _forward_epilogue(
+                    b_hi,
+                    a_desc,
+                    s_desc,
+                    o_m,
+                    o_n + N_W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
             else:
                 b_0, b_1 = split_halves(b_lo, BM, BN)
                 b_2, b_3 = split_halves(b_hi, BM, BN)
-                _forward_epilogue(b_0, a_desc, s_desc, o_m, o_n, gate_scale, out_scale, SAVE, BM, W, CHUNK_)
                 _forward_epilogue(
-                    b_1, a_desc, s_desc, o_m, o_n + N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                    b_0, a_desc, s_desc, o_m, o_n, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
                 )
                 _forward_epilogue(
-                    b_2, a_desc, s_desc, o_m, o_n + 2 * N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                    b_1, a_desc, s_desc, o_m, o_n + N_W, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
                 )
                 _forward_epilogue(
-                    b_3, a_desc, s_desc, o_m, o_n + 3 * N_W, gate_scale, out_scale, SAVE, BM, W, CHUNK_
+                    b_2,
+                    a_desc,
+                    s_desc,
+                    o_m,
+                    o_n + 2 * N_W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
+                )
+                _forward_epilogue(
+                    b_3,
+                    a_desc,
+                    s_desc,
+                    o_m,
+                    o_n + 3 * N_W,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
 
 
@@ -154,8 +190,8 @@ def glu_forward(
     x: torch.Tensor,
     w_packed: torch.Tensor,
     *,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     save: Saved,
     write_a: bool = True,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -169,7 +205,7 @@ def glu_forward(
     (contiguous) and rows are routed as the module docstring says (the tile's rows must divide
     ``EXPERT_ROWS``).
 
-    Returns ``a`` [M, I] (scaled by ``out_scale``; ``None`` with ``write_a=False``, for a backward that
+    Returns ``a`` [M, I] (scaled by ``down_multiplier``; ``None`` with ``write_a=False``, for a backward that
     only needs the factors) and the saved packed [M, 2I] tensor (or ``None``).
     """
     if not write_a and save == Saved.NOTHING:
@@ -204,8 +240,8 @@ def glu_forward(
         m,
         inter,
         hidden,
-        float(gate_scale),
-        float(out_scale),
+        float(gate_multiplier),
+        float(down_multiplier),
         SAVE=int(save),
         CHUNK_=CHUNK,
         DOT_PRECISION=precision,

@@ -1,14 +1,14 @@
 """The forward (x @ W_packed^T with the SwiGLU in the epilogue) as a warp-specialized kernel (Gluon,
 Hopper).
 
-The same results as ``glu_forward(...)`` with ``write_a=True``: ``a = out_scale * silu(gate_scale * g)
-* u`` and, for training, the saved factors or the raw packed accumulator. Besides the operand loader
-and the consumers (``hopper_ws``), each program has a storer (one warp): the consumers write each
-epilogue piece (``a`` and the saved piece) into one of ``buffers`` staging buffer pairs and go on;
-the storer sends the pair out by TMA and hands it back once its stores have read it, ``store_lag``
-pieces later. In the Triton kernel the warps that multiply also wait for each store and issue every
-load; here they wait only for a free buffer pair. On the H200 that measured faster than the Triton
-kernel at every benchmark shape (docs/design/kernel-choice.md).
+The same results as ``glu_forward(...)`` with ``write_a=True``: ``a = down_multiplier *
+silu(gate_multiplier * g) * u`` and, for training, the saved factors or the raw packed accumulator.
+Besides the operand loader and the consumers (``hopper_ws``), each program has a storer (one warp):
+the consumers write each epilogue piece (``a`` and the saved piece) into one of ``buffers`` staging
+buffer pairs and go on; the storer sends the pair out by TMA and hands it back once its stores have
+read it, ``store_lag`` pieces later. In the Triton kernel the warps that multiply also wait for each
+store and issue every load; here they wait only for a free buffer pair. On the H200 that measured
+faster than the Triton kernel at every benchmark shape (docs/design/kernel-choice.md).
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumers(
-        a_desc, s_desc, ring, staged, problem, gate_scale, out_scale, BN: gl.constexpr, GROUP_M: gl.constexpr,
-        SAVE: gl.constexpr, CHUNK_: gl.constexpr, num_warps: gl.constexpr
+        a_desc, s_desc, ring, staged, problem, gate_multiplier, down_multiplier, BN: gl.constexpr,
+        GROUP_M: gl.constexpr, SAVE: gl.constexpr, CHUNK_: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
         a_bufs, s_bufs, st_ready, st_free = staged
         M, N, K, pid, nprog = problem
@@ -94,12 +94,12 @@ if AVAILABLE:
             pieces = ws.split_pieces(acc, BN // W)  # packed pieces: whole chunks of up and gate columns
             for p in gl.static_range(BN // W):
                 b_up, b_gate = ws.unpack(pieces[p], CHUNK_)
-                b_silu, b_slope = ws.silu_and_slope(b_gate * gate_scale)
+                b_silu, b_slope = ws.silu_and_slope(b_gate * gate_multiplier)
                 b = g % NBUF
                 mbarrier.wait(st_free.index(b), ((g // NBUF) & 1) ^ 1)
-                a_bufs.index(b).store((b_silu * b_up * out_scale).to(a_desc.dtype))
+                a_bufs.index(b).store((b_silu * b_up * down_multiplier).to(a_desc.dtype))
                 if SAVE == 1:
-                    b_factors = ws.pack(b_silu, b_up * b_slope * gate_scale, CHUNK_)
+                    b_factors = ws.pack(b_silu, b_up * b_slope * gate_multiplier, CHUNK_)
                     s_bufs.index(b).store(b_factors.to(s_desc.dtype))
                 elif SAVE == 2:
                     s_bufs.index(b).store(pieces[p].to(s_desc.dtype))
@@ -109,7 +109,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _glu_forward_ws_kernel(
-        x_desc, w_desc, a_desc, s_desc, M, N, K, gate_scale, out_scale, GROUP_M: gl.constexpr,
+        x_desc, w_desc, a_desc, s_desc, M, N, K, gate_multiplier, down_multiplier, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr, NBUF: gl.constexpr, LAG: gl.constexpr, SAVE: gl.constexpr, CHUNK_: gl.constexpr,
         WORKER_REGS: gl.constexpr, num_warps: gl.constexpr
     ):  # fmt: skip
@@ -133,8 +133,8 @@ if AVAILABLE:
                         ring,
                         staged,
                         problem,
-                        gate_scale,
-                        out_scale,
+                        gate_multiplier,
+                        down_multiplier,
                         BN,
                         GROUP_M,
                         SAVE,
@@ -156,13 +156,13 @@ def glu_forward_ws(
     x: torch.Tensor,
     w_packed: torch.Tensor,
     *,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     save: Saved,
     config: WSForwardConfig = CONFIG,
     caller_key=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``a`` [M, I] (scaled by ``out_scale``) and the saved packed [M, 2I] tensor (``None`` in
+    """``a`` [M, I] (scaled by ``down_multiplier``) and the saved packed [M, 2I] tensor (``None`` in
     inference), like ``glu_forward`` with ``write_a=True`` (bf16/fp16, sm_90).
 
     ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable.
@@ -182,8 +182,8 @@ def glu_forward_ws(
         m,
         inter,
         hidden,
-        float(gate_scale),
-        float(out_scale),
+        float(gate_multiplier),
+        float(down_multiplier),
         NBUF=c.buffers,
         SAVE=int(save),
         **c.meta(),

@@ -34,16 +34,16 @@ from .launch import KernelLauncher
 
 @triton.jit
 def _glu_grad_kernel(
-    da_ptr,  # [M, N]: dA in; out_scale * a out when SAVED == 2
+    da_ptr,  # [M, N]: dA in; down_multiplier * a out when SAVE == 2
     s_ptr,  # [M, 2N] packed saved tensor in
     g_ptr,  # [M, 2N] packed gradient out, with s_ptr's strides: s_ptr itself (in place) or its own
     M,
     N,
     stride_da,
     stride_s,
-    gate_scale,
-    out_scale,
-    SAVED: tl.constexpr,
+    gate_multiplier,
+    down_multiplier,
+    SAVE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     CHUNK_: tl.constexpr,
@@ -56,11 +56,11 @@ def _glu_grad_kernel(
     m_rows = o_rows[:, None] < M
     p_da = da_ptr + o_rows[:, None] * stride_da + o_cols[None, :]
     m_da = m_rows & (o_cols[None, :] < N)
-    b_da = tl.load(p_da, mask=m_da).to(tl.float32) * out_scale  # y carries the down multiplier
+    b_da = tl.load(p_da, mask=m_da).to(tl.float32) * down_multiplier  # y carries the down multiplier
     p_s = s_ptr + o_rows[:, None] * stride_s + o_packed[None, :]
     m_s = m_rows & (o_packed[None, :] < 2 * N)
     b_s = tl.load(p_s, mask=m_s).to(tl.float32)
-    if SAVED == 1:
+    if SAVE == 1:
         # Factors: [BM, chunks, 2, CHUNK] * [BM, chunks, 1, CHUNK], the same dA scales both halves.
         b_grad = tl.reshape(
             tl.reshape(b_s, (BM, BN // CHUNK_, 2, CHUNK_)) * tl.reshape(b_da, (BM, BN // CHUNK_, 1, CHUNK_)),
@@ -69,10 +69,10 @@ def _glu_grad_kernel(
     else:
         # Pre-activations [u | unscaled gate]: the fused backward epilogue's arithmetic.
         b_up, b_gate = unpack_columns(b_s, BM, 2 * BN, CHUNK_)
-        b_g = b_gate * gate_scale
+        b_g = b_gate * gate_multiplier
         b_silu, b_slope = silu_and_slope(b_g)
-        b_grad = pack_columns(b_da * b_silu, b_da * b_up * b_slope * gate_scale, BM, 2 * BN, CHUNK_)
-        tl.store(p_da, (b_silu * b_up * out_scale).to(da_ptr.dtype.element_ty), mask=m_da)
+        b_grad = pack_columns(b_da * b_silu, b_da * b_up * b_slope * gate_multiplier, BM, 2 * BN, CHUNK_)
+        tl.store(p_da, (b_silu * b_up * down_multiplier).to(da_ptr.dtype.element_ty), mask=m_da)
     p_g = g_ptr + o_rows[:, None] * stride_s + o_packed[None, :]
     tl.store(p_g, b_grad.to(g_ptr.dtype.element_ty), mask=m_s)
 
@@ -85,16 +85,16 @@ def glu_grad_(
     saved: torch.Tensor,
     *,
     save: Saved = Saved.FACTORS,
-    gate_scale: float = 1.0,
-    out_scale: float = 1.0,
+    gate_multiplier: float = 1.0,
+    down_multiplier: float = 1.0,
     grad: torch.Tensor | None = None,
     caller_key=None,
 ) -> torch.Tensor:
-    """[dU | dG] for ``out_scale * da`` from ``saved`` [M, 2I] (packed, from the forward), written
+    """[dU | dG] for ``down_multiplier * da`` from ``saved`` [M, 2I] (packed, from the forward), written
     over ``saved``, or into ``grad`` (the same shape and strides) where given. Returns the gradient.
 
     ``save`` says what ``saved`` holds. With ``Saved.PREACT``, ``da`` [M, I] is overwritten with the
-    recomputed ``out_scale * a``.
+    recomputed ``down_multiplier * a``.
     """
     if save == Saved.NOTHING:
         raise ValueError("the gradient pass needs saved factors or pre-activations")
@@ -114,9 +114,9 @@ def glu_grad_(
         inter,
         da.stride(0),
         saved.stride(0),
-        float(gate_scale),
-        float(out_scale),
-        SAVED=int(save),
+        float(gate_multiplier),
+        float(down_multiplier),
+        SAVE=int(save),
         BM=block_m,
         BN=block_n,
         CHUNK_=CHUNK,

@@ -19,8 +19,8 @@ def glu_forward_split(
     x: torch.Tensor,
     w_packed: torch.Tensor,
     *,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     save: Saved,
     write_a: bool = True,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -39,8 +39,8 @@ def glu_forward_split(
     if write_a or factors:
         a = glu_activation(
             h,
-            gate_scale=gate_scale,
-            out_scale=out_scale,
+            gate_multiplier=gate_multiplier,
+            down_multiplier=down_multiplier,
             factors_in_place=factors,
             write_a=write_a,
             caller_key=caller_key,
@@ -53,16 +53,22 @@ def glu_backward_split_(
     w_down: torch.Tensor,
     saved: torch.Tensor,
     *,
-    gate_scale: float,
-    out_scale: float,
+    gate_multiplier: float,
+    down_multiplier: float,
     save: Saved,
     grad: torch.Tensor | None = None,
     caller_key=None,
 ) -> torch.Tensor | None:
     """``glu_backward_`` with cuBLAS's dY @ W_down: [dU | dG] over ``saved`` or into ``grad``;
-    returns the recomputed ``out_scale * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
+    returns the recomputed ``down_multiplier * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
     da = torch.mm(dy, w_down)
     glu_grad_(
-        da, saved, save=save, gate_scale=gate_scale, out_scale=out_scale, grad=grad, caller_key=caller_key
+        da,
+        saved,
+        save=save,
+        gate_multiplier=gate_multiplier,
+        down_multiplier=down_multiplier,
+        grad=grad,
+        caller_key=caller_key,
     )
     return da if save == Saved.PREACT else None
