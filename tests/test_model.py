@@ -56,9 +56,11 @@ def test_bench_model_command_writes_its_results(device, tmp_path):
         pytest.skip("the CPU smoke run of the command; on the GPU the benchmark itself runs")
     args = ["bench", "--model-size", "64", "128", "1", "32", "--variants", "stock-eager", "fused-compiled"]
     args += ["--precisions", "fp32", "--device", "cpu", "--backend", "eager", "--reps", "1", "--steps", "1"]
-    assert main([*args, "--out", str(tmp_path)]) == 0
+    assert main([*args, "--host-profile", "--out", str(tmp_path)]) == 0
     out = tmp_path / "model"
-    summary = json.loads((out / "results.json").read_text())["summary"]
+    results = json.loads((out / "results.json").read_text())
+    assert all(run["host_ops"]["top"] for run in results["runs"])
+    summary = results["summary"]
     assert [row["variant"] for row in summary] == ["stock-eager", "fused-compiled"]
     assert summary[1]["graph_breaks"] == 0 and summary[1]["loss_rel_diff"] < 1e-4
     assert "fused-compiled" in (out / "results.md").read_text()
@@ -75,3 +77,16 @@ def test_moe_model_compiles_to_one_graph_and_trains_like_stock(device):
     stock = run_variant(RunSpec("stock-eager", **common, **moe))
     for got, want in zip(fused["losses"], stock["losses"], strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
+
+
+def test_host_profile_names_the_fused_ops(device):
+    """``bench --model --host-profile``: the operators' host time per step, the fused ops among them."""
+    torch._dynamo.reset()
+    common = {"layers": 2, "precision": "fp32", "steps": 2, "windows": 1, "device": str(device)}
+    result = run_variant(RunSpec("fused-compiled", backend="eager", host_profile=True, **common, **TINY))
+    profile = result["host_ops"]
+    names = [row["name"] for row in profile["top"]]
+    assert any(name.startswith("fused_swiglu::swiglu_mlp_") for name in names), names
+    forward = next(row for row in profile["top"] if row["name"] == "fused_swiglu::swiglu_mlp_forward")
+    assert forward["calls"] == 2  # one per layer and step
+    assert 0 < forward["self_us"] <= forward["total_us"] and profile["self_us"] >= forward["self_us"]

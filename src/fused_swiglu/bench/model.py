@@ -43,6 +43,7 @@ VARIANTS = (
 EXTRA_VARIANTS = ("stock-compiled-ro", "fused-compiled-ro", "liger-compiled-ro")
 PRECISIONS = ("autocast", "bf16", "fp32")
 LOSS_STEPS = 3  # the first steps' losses, compared with stock eager's
+HOST_PROFILE_TOP = 15  # operators listed per run by --host-profile
 
 
 @dataclass
@@ -64,6 +65,7 @@ class RunSpec:
     lora_rank: int = 0  # > 0: PEFT LoRA of this rank on every linear layer, the base frozen
     experts: int = 0  # > 0: Qwen3-MoE with this many routed experts of ``intermediate`` per layer
     top_k: int = 2  # experts per token (with ``experts``)
+    host_profile: bool = False  # also profile one window's host time per operator (torch.profiler)
 
 
 def _config(spec: RunSpec):
@@ -170,7 +172,9 @@ def run_variant(spec: RunSpec) -> dict:
         window_ms.append((time.perf_counter() - start) * 1e3 / spec.steps)
     step_ms = statistics.median(window_ms)
     peak = torch.cuda.max_memory_allocated() / 2**20 if spec.device.startswith("cuda") else None
+    profiled = {"host_ops": host_profile(step, spec.steps)} if spec.host_profile else {}
     return {
+        **profiled,
         **asdict(spec),
         "step_ms": step_ms,
         "window_ms": window_ms,
@@ -182,6 +186,40 @@ def run_variant(spec: RunSpec) -> dict:
         "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first,
         "losses": [float(loss) for loss in losses],
     }
+
+
+def host_profile(step, steps: int, top: int = HOST_PROFILE_TOP) -> dict:
+    """Where the host's time goes over ``steps`` training steps: torch.profiler's CPU activity, per
+    operator (aten ops, custom ops, compiled kernels' launches, the graph's own frames) its calls and
+    its self and total host microseconds per step, the ``top`` by self time; ``self_us`` is every
+    operator's self time together, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    rows = [
+        {
+            "name": e.key,
+            "calls": e.count / steps,
+            "self_us": e.self_cpu_time_total / steps,
+            "total_us": e.cpu_time_total / steps,
+        }
+        for e in events
+    ]
+    rows.sort(key=lambda row: row["self_us"], reverse=True)
+    return {"self_us": sum(row["self_us"] for row in rows), "top": rows[:top]}
+
+
+def host_profile_table(result: dict) -> str:
+    """One run's host profile as a plain table (``bench --model --host-profile``)."""
+    from ..tables import format_table
+
+    profile = result["host_ops"]
+    cells = [[r["name"][:60], r["calls"], r["self_us"], r["total_us"]] for r in profile["top"]]
+    title = f"{result['variant']}: {profile['self_us']:.0f} us of operator host time per step"
+    return title + "\n" + format_table(["operator", "calls/step", "self us/step", "total us/step"], cells)
 
 
 def run_in_fresh_process(spec: RunSpec, timeout: float | None = None) -> dict:
@@ -340,6 +378,7 @@ def run_model_bench(
     timeout: float | None = None,
     lora_rank: int = 0,
     moe: tuple[int, int] | None = None,
+    host_profile: bool = False,
     log=print,
 ) -> tuple[list[dict], list[dict]]:
     """Every (size, precision, variant) ``reps`` times, each in a fresh process, the order of the
@@ -363,11 +402,14 @@ def run_model_bench(
                         lora_rank=lora_rank,
                         experts=moe[0] if moe else 0,
                         top_k=moe[1] if moe else 2,
+                        host_profile=host_profile,
                     )
                     r = run_in_fresh_process(spec, timeout=timeout)
                     results.append(r)
                     what = r.get("error") or f"{r['step_ms']:.2f} ms/step, peak {r['peak_mib'] or 0:.0f} MiB"
                     log(f"[{name} {precision} rep {rep + 1}/{reps}] {variant}: {what}")
+                    if "host_ops" in r:
+                        log(host_profile_table(r))
     loss_agreement(results)
     return results, _summary(results)
 

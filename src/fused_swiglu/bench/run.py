@@ -19,7 +19,7 @@ from .measure import measure_shape
 from .model import EXTRA_VARIANTS, MODEL_SIZES, PRECISIONS, VARIANTS, model_table, plot_model, run_model_bench
 from .report import provenance, provenance_header, shape_table, write_json, write_markdown, write_plots
 
-#: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs, see ``benchmarks/fp32_step.py``).
+#: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs: docs/design/kernel-choice.md).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 SHAPES = {
@@ -168,6 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("EXPERTS", "TOP_K"),
         help="train Qwen3-MoE models instead: every layer's MLP EXPERTS routed experts of the size's "
         "intermediate size, TOP_K per token (Liger: apply_liger_kernel_to_qwen3_moe)",
+    )
+    model.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also profile one more window per run on the host (torch.profiler): the operators that took "
+        "the most host time per step, printed after each run and kept in results.json",
     )
     model.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (Triton interpreter)")
     model.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variants")
@@ -358,6 +364,7 @@ def run_model(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         lora_rank=args.lora_rank,
         moe=tuple(args.moe) if args.moe else None,
+        host_profile=args.host_profile,
         log=lambda line: print(line, flush=True),
     )
     print(model_table(rows), flush=True)
