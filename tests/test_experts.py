@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from fused_swiglu import SwiGLUExperts, swiglu_experts
 from fused_swiglu.experts import pack_experts, reference_swiglu_experts, unpack_experts
 from fused_swiglu.kernels.configs import EXPERT_ROWS
-from fused_swiglu.routing import capacity, route
+from fused_swiglu.routing import max_tiles, route
 from fused_swiglu.testing import accuracy_rows, relative_error
 
 NAMES = ("y", "x", "weights", "gate_up", "down")
+MULTIPLIERS = {"gate_multiplier": 1.0, "down_multiplier": 1.0}
 
 
 def routing(tokens, experts, top_k, *, skew=False, empty=(), generator=None):
@@ -85,21 +86,29 @@ def test_experts_half_precision_within_twice_eager_error(device, save):
     assert all(row.ok for row in rows), rows
 
 
-def test_routes_group_slots_by_expert_in_whole_blocks():
+def test_routes_group_slots_by_expert_with_no_padding():
     index = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 0]])
     routes = route(index, 4)
     slots = index.numel()
-    assert routes.sources.numel() == capacity(slots, 4)
-    ends = routes.ends.tolist()
-    assert ends == [EXPERT_ROWS, 2 * EXPERT_ROWS, 3 * EXPERT_ROWS, 3 * EXPERT_ROWS]  # expert 3: none
-    assert routes.used_rows.tolist() == [3 * EXPERT_ROWS]
-    assert torch.equal(routes.sources[routes.rows], torch.arange(slots))
-    starts = [0, *ends[:-1]]
-    experts_of_rows = index.reshape(-1)
+    assert routes.sources.numel() == slots and torch.equal(routes.sources[routes.rows], torch.arange(slots))
+    assert routes.ends.tolist() == [3, 4, 8, 8]  # expert 3: none
+    starts = [0, 3, 4, 8]
     for slot, row in enumerate(routes.rows.tolist()):
-        e = experts_of_rows[slot].item()
-        assert starts[e] <= row < ends[e]
-    assert routes.tile_experts[:3].tolist() == [0, 1, 2]
+        e = index.reshape(-1)[slot].item()
+        assert starts[e] <= row < routes.ends[e]
+    assert torch.equal(routes.sources[:3], torch.tensor([1, 4, 7]))  # slot order within an expert
+    assert routes.used_tiles.tolist() == [3] and routes.tiles.shape == (max_tiles(slots, 4), 3)
+    assert routes.tiles[:3].tolist() == [[0, 0, 3], [1, 3, 4], [2, 4, 8]]
+
+
+def test_routes_cut_large_groups_into_tiles():
+    rows = 2 * EXPERT_ROWS + 5  # expert 1: two whole tiles and a part tile; expert 0: one part tile
+    index = torch.tensor([[1]] * rows + [[0]] * 3)
+    routes = route(index, 3)
+    assert routes.used_tiles.tolist() == [4]
+    expected = [[0, 0, 3], *([1, 3 + t * EXPERT_ROWS, 3 + rows] for t in range(3))]
+    assert routes.tiles[:4].tolist() == expected
+    assert routes.tiles.shape[0] == max_tiles(rows + 3, 3) >= 4
 
 
 def test_no_grad_and_recorded_forward_agree(device):
@@ -365,3 +374,28 @@ def test_fuzz_against_the_reference(tokens, hidden, inter, experts, top_k, preci
     eager = step(reference_swiglu_experts, *args, precision)
     rows = accuracy_rows(got, eager, oracle, precision)
     assert all(row.ok for row in rows), rows
+
+
+def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
+    """A kernel tile of fewer rows than a table tile (the GPU's decode-sized tiles): each table tile
+    in several kernel tiles, those past a group's end storing nothing; the same a and factors."""
+    from fused_swiglu.kernels.common import Saved
+    from fused_swiglu.kernels.configs import INTERPRETER_CONFIG, TileConfig
+    from fused_swiglu.kernels.glu_forward import glu_forward
+
+    if device.type != "cpu":
+        pytest.skip("interpreter-sized tiles")
+    x, index, _, gate_up, _, _ = problem(29, 32, 48, 4, 2, device, empty=(1,))
+    routes = route(index, 4)
+    x_rows = x[routes.sources // 2].contiguous()
+    experts = (routes.tiles, routes.used_tiles, 4)
+    small = TileConfig(block_m=EXPERT_ROWS // 4, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    results = [
+        glu_forward(x_rows, gate_up, save=Saved.FACTORS, experts=experts, config=config, **MULTIPLIERS)
+        for config in (INTERPRETER_CONFIG, small)
+    ]
+    for got, want in zip(results[1], results[0], strict=True):
+        assert relative_error(got, want) < 1e-6  # NaN (a row never written) fails
+    packed = torch.bmm(gate_up[index.reshape(-1)[routes.sources]], x_rows[:, :, None])[:, :, 0]
+    up, gate = packed.view(-1, 48 // 8, 2, 8).unbind(2)
+    assert relative_error(results[1][0], (torch.nn.functional.silu(gate) * up).reshape(-1, 48)) < 1e-5

@@ -39,9 +39,9 @@ class ExpertsGLUFunction(torch.autograd.Function):
     """``a`` [P, I] of the grouped rows ``x_rows`` [P, H]: each row's expert's SwiGLU gate/up half."""
 
     @staticmethod
-    def forward(ctx, x_rows, gate_up_weight, tile_experts, used_rows, ends, save: str):
-        a, saved = experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save)
-        ctx.save_for_backward(x_rows, gate_up_weight, saved, tile_experts, used_rows, ends)
+    def forward(ctx, x_rows, gate_up_weight, tiles, used_tiles, ends, save: str):
+        a, saved = experts_glu_forward(x_rows, gate_up_weight, tiles, used_tiles, save)
+        ctx.save_for_backward(x_rows, gate_up_weight, saved, tiles, used_tiles, ends)
         ctx.save = save
         return a
 
@@ -76,16 +76,15 @@ class WeightedDownFunction(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """``source`` [N, ...] -> [R, ...]: row ``r`` is ``source[index[r]]``, zero where ``index[r] == N``;
-    every source row ``n`` reaches the rows ``back[n * k : (n + 1) * k]``. Its gradient gathers those
-    rows and sums them (``_Sum``), so neither direction adds rows up with atomics: the padding rows,
-    many at small expert sizes, all read the one zero row."""
+    """``source`` [N, ...] -> [R, ...]: row ``r`` is ``source[index[r]]``, and every source row ``n``
+    reaches the rows ``back[n * k : (n + 1) * k]``. Its gradient gathers those rows and sums them
+    (``_Sum``), so neither direction adds rows up with atomics (the autograd of indexing would)."""
 
     @staticmethod
     def forward(ctx, source, index, back, k: int):
         ctx.save_for_backward(index, back)
         ctx.k = k
-        return torch.cat((source, source.new_zeros(1, *source.shape[1:])))[index]
+        return source[index]
 
     @staticmethod
     def backward(ctx, grad):
@@ -181,8 +180,8 @@ def swiglu_experts(
 
 def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: str) -> torch.Tensor:
     routes = route(top_k_index, gate_up_weight.shape[0])
-    slots, top_k = routes.rows.numel(), top_k_index.shape[1]
-    token_of_row = torch.where(routes.sources < slots, routes.sources // top_k, x.shape[0])
+    top_k = top_k_index.shape[1]
+    token_of_row = routes.sources // top_k
     x_rows = _Gather.apply(x, token_of_row, routes.rows, top_k)
     weights = _Gather.apply(top_k_weights.reshape(-1).to(x.dtype), routes.sources, routes.rows, 1)
     if fused_path_available(x, gate_up_weight[0]):
@@ -197,9 +196,9 @@ def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: st
 
 def _glu(x_rows, gate_up_weight, routes: Routes, save: str) -> torch.Tensor:
     if torch.is_grad_enabled() and (x_rows.requires_grad or gate_up_weight.requires_grad):
-        args = (routes.tile_experts, routes.used_rows, routes.ends)
+        args = (routes.tiles, routes.used_tiles, routes.ends)
         return ExpertsGLUFunction.apply(x_rows, gate_up_weight, *args, save)
-    return experts_glu_inference(x_rows, gate_up_weight, routes.tile_experts, routes.used_rows)
+    return experts_glu_inference(x_rows, gate_up_weight, routes.tiles, routes.used_tiles)
 
 
 def reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> torch.Tensor:

@@ -2,13 +2,13 @@
 rows grouped by expert (routing.py) times every expert's packed gate/up weight, the SwiGLU in the
 forward kernel's epilogue.
 
-* forward: the forward kernel with a row-block -> expert table; keeps the factors (``"factors"``) or
-  nothing (``"recompute"``, where the backward runs the forward kernel again);
+* forward: the forward kernel with a table of row tiles, each of one expert (routing.py); keeps the
+  factors (``"factors"``) or nothing (``"recompute"``, where the backward runs the forward kernel
+  again);
 * backward: the SwiGLU gradient over the saved factors in place (kernels/glu_grad.py), then dX and
   the packed dW as grouped GEMMs (``torch._grouped_mm``) over the experts' groups of rows.
 
-The rows past the routed ones (``Routes.used_rows``) are spare room: no kernel writes them, and what
-they hold never reaches a result (the grouped GEMMs stop at the last group's end).
+One row per routed slot, grouped by expert with no padding, so every row is written and read.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _grouped_mm(a, b, ends):
     """Per expert ``e``, rows ``[ends[e-1], ends[e])``: ``a`` [P, K] @ ``b[e]`` [K, N] -> [P, N], or
     ``a`` [M, P] @ ``b`` [P, N] over those rows -> [E, M, N]. ``torch._grouped_mm`` for bf16 on a GPU
     (the dtype it takes; Hopper and newer); otherwise expert by expert, which waits for the GPU to
-    read ``ends``. Rows past the last expert's are zero (or, from ``torch._grouped_mm``, not written)."""
+    read ``ends``."""
     if a.is_cuda and a.dtype == torch.bfloat16 and _grouped_gemm_hardware(a.device.index):
         return torch._grouped_mm(a, b, offs=ends)
     bounds = [0, *ends.tolist()]
@@ -79,9 +79,9 @@ def _grouped_mm_backward(ctx, grad):
 register_autograd(grouped_mm, _grouped_mm_backward, _grouped_mm_setup)
 
 
-def _forward(x_rows, gate_up_weight, tile_experts, used_rows, save: Saved, write_a: bool = True):
+def _forward(x_rows, gate_up_weight, tiles, used_tiles, save: Saved, write_a: bool = True):
     """The forward kernel over every expert's rows (experts carry no multipliers)."""
-    experts = (tile_experts, used_rows, gate_up_weight.shape[0])
+    experts = (tiles, used_tiles, gate_up_weight.shape[0])
     options = {
         "save": save,
         "write_a": write_a,
@@ -93,21 +93,21 @@ def _forward(x_rows, gate_up_weight, tile_experts, used_rows, save: Saved, write
 
 
 @_on_tensor_device
-def _experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, save):
+def _experts_glu_forward(x_rows, gate_up_weight, tiles, used_tiles, save):
     """``a`` [P, I] and the saved factors [P, 2I] (empty for ``"recompute"``)."""
     x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    a, saved = _forward(x_rows, gate_up_weight, tile_experts, used_rows, Saved.of(save))
+    a, saved = _forward(x_rows, gate_up_weight, tiles, used_tiles, Saved.of(save))
     return a, _empty_if_none(saved, x_rows)
 
 
-def _experts_glu_forward_fake(x_rows, gate_up_weight, tile_experts, used_rows, save):
+def _experts_glu_forward_fake(x_rows, gate_up_weight, tiles, used_tiles, save):
     rows, two_inter = x_rows.shape[0], gate_up_weight.shape[1]
     saved = x_rows.new_empty(rows, two_inter) if save == "factors" else x_rows.new_empty(0)
     return x_rows.new_empty(rows, two_inter // 2), saved
 
 
 experts_glu_forward = define(
-    "experts_glu_forward(Tensor x_rows, Tensor gate_up_weight, Tensor tile_experts, Tensor used_rows, "
+    "experts_glu_forward(Tensor x_rows, Tensor gate_up_weight, Tensor tiles, Tensor used_tiles, "
     "str save) -> (Tensor, Tensor)",
     _experts_glu_forward,
     _experts_glu_forward_fake,
@@ -115,13 +115,11 @@ experts_glu_forward = define(
 
 
 @_on_tensor_device
-def _experts_glu_backward(
-    da, x_rows, gate_up_weight, saved, tile_experts, used_rows, ends, save, need_dx, need_dw
-):
+def _experts_glu_backward(da, x_rows, gate_up_weight, saved, tiles, used_tiles, ends, save, need_dx, need_dw):
     """dX [P, H] and the packed dW [E, 2I, H] (empty where not needed); overwrites ``saved``."""
     x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
     if Saved.of(save) == Saved.NOTHING:
-        _, saved = _forward(x_rows, gate_up_weight, tile_experts, used_rows, Saved.FACTORS, write_a=False)
+        _, saved = _forward(x_rows, gate_up_weight, tiles, used_tiles, Saved.FACTORS, write_a=False)
     else:
         _overwrite_once(saved)
     grad = glu_grad_(da.contiguous(), saved)  # [dU | dG] per row, packed, over the factors
@@ -131,7 +129,7 @@ def _experts_glu_backward(
 
 
 def _experts_glu_backward_fake(
-    da, x_rows, gate_up_weight, saved, tile_experts, used_rows, ends, save, need_dx, need_dw
+    da, x_rows, gate_up_weight, saved, tiles, used_tiles, ends, save, need_dx, need_dw
 ):
     dx = x_rows.new_empty(x_rows.shape if need_dx else (0,))
     return dx, x_rows.new_empty(gate_up_weight.shape if need_dw else (0,))
@@ -139,7 +137,7 @@ def _experts_glu_backward_fake(
 
 experts_glu_backward = define(
     "experts_glu_backward(Tensor da, Tensor x_rows, Tensor gate_up_weight, Tensor saved, "
-    "Tensor tile_experts, Tensor used_rows, Tensor ends, str save, bool need_dx, bool need_dw) "
+    "Tensor tiles, Tensor used_tiles, Tensor ends, str save, bool need_dx, bool need_dw) "
     "-> (Tensor, Tensor)",
     _experts_glu_backward,
     _experts_glu_backward_fake,
@@ -147,18 +145,17 @@ experts_glu_backward = define(
 
 
 @_on_tensor_device
-def _experts_glu_inference(x_rows, gate_up_weight, tile_experts, used_rows):
-    a, _ = _experts_glu_forward(x_rows, gate_up_weight, tile_experts, used_rows, "recompute")
+def _experts_glu_inference(x_rows, gate_up_weight, tiles, used_tiles):
+    a, _ = _experts_glu_forward(x_rows, gate_up_weight, tiles, used_tiles, "recompute")
     return a
 
 
-def _experts_glu_inference_fake(x_rows, gate_up_weight, tile_experts, used_rows):
+def _experts_glu_inference_fake(x_rows, gate_up_weight, tiles, used_tiles):
     return x_rows.new_empty(x_rows.shape[0], gate_up_weight.shape[1] // 2)
 
 
 experts_glu_inference = define(
-    "experts_glu_inference(Tensor x_rows, Tensor gate_up_weight, Tensor tile_experts, Tensor used_rows) "
-    "-> Tensor",
+    "experts_glu_inference(Tensor x_rows, Tensor gate_up_weight, Tensor tiles, Tensor used_tiles) -> Tensor",
     _experts_glu_inference,
     _experts_glu_inference_fake,
 )

@@ -1,11 +1,13 @@
 """Routed experts: where each token's expert slots go in the expert-grouped rows the kernels read.
 
 Token ``t``'s ``j``-th choice is slot ``t * k + j``. The slots are grouped by expert, in slot order
-within an expert, and each expert's group starts on a block of ``EXPERT_ROWS`` rows (kernels/configs.py),
-so that every tile of the forward kernel belongs to one expert. The rows between groups are padding
-(zero inputs, zero routing weight). The number of rows is fixed by the slot and expert counts alone,
-``capacity``, so nothing here waits for the GPU and a compiled graph has static shapes: the rows
-past the last group are spare room that no kernel computes.
+within an expert, one row per slot and no padding: expert ``e``'s group is rows
+``[ends[e-1], ends[e])``, the offsets ``torch._grouped_mm`` takes. The forward kernel walks each
+group in tiles of ``EXPERT_ROWS`` rows (kernels/configs.py), so that every tile belongs to one
+expert; a table gives each tile its expert and rows, and a group's last tile is cut at the group's
+end. The table's size is fixed by the slot and expert counts alone (``max_tiles``), so nothing here
+waits for the GPU and a compiled graph has static shapes; the entries past the tiles in use are
+never read.
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ class Routes(NamedTuple):
     """Where the slots go; every tensor on the routing's device."""
 
     rows: torch.Tensor  # [S] int64: the grouped row of each slot
-    sources: torch.Tensor  # [capacity] int64: the slot of each grouped row, S for padding and spare rows
-    tile_experts: torch.Tensor  # [capacity / EXPERT_ROWS] int32: the expert of each block of rows
-    used_rows: torch.Tensor  # [1] int32: rows up to the end of the last expert's group
-    ends: torch.Tensor  # [E] int32: the end row of each expert's group (torch._grouped_mm's offsets)
+    sources: torch.Tensor  # [S] int64: the slot of each grouped row
+    tiles: torch.Tensor  # [max_tiles, 3] int32: each row tile's expert, first row and its group's end row
+    used_tiles: torch.Tensor  # [1] int32: the tiles in use (the first entries of ``tiles``)
+    ends: torch.Tensor  # [E] int32: the end row of each expert's group
 
 
-def capacity(slots: int, num_experts: int) -> int:
-    """Grouped rows for ``slots`` slots over ``num_experts`` experts: enough for any routing."""
-    groups = min(slots, num_experts)  # experts that can receive a slot, each padded to whole blocks
-    return (cdiv(slots, EXPERT_ROWS) + groups) * EXPERT_ROWS
+def max_tiles(slots: int, num_experts: int) -> int:
+    """Row tiles for ``slots`` slots over ``num_experts`` experts: enough for any routing (each
+    expert that receives a slot may end in a part tile)."""
+    return cdiv(slots, EXPERT_ROWS) + min(slots, num_experts)
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
@@ -39,20 +41,17 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     experts = top_k_index.reshape(-1).long()
     slots = experts.numel()
     device = experts.device
-    order = torch.argsort(experts, stable=True)
+    order = torch.argsort(experts, stable=True)  # the slot of each row
+    rows = order.new_empty(order.shape).scatter_(0, order, torch.arange(slots, device=device))
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))
-    blocks = (counts + EXPERT_ROWS - 1) // EXPERT_ROWS
-    ends = torch.cumsum(blocks, 0) * EXPERT_ROWS
-    starts = ends - blocks * EXPERT_ROWS
-    firsts = torch.cumsum(counts, 0) - counts  # where each expert's slots start in ``order``
-    grouped = experts[order]
-    index = torch.arange(slots, device=device)
-    rows = order.new_empty(order.shape).scatter_(0, order, starts[grouped] + index - firsts[grouped])
-    size = capacity(slots, num_experts)
-    sources = torch.full((size,), slots, dtype=torch.long, device=device).scatter_(0, rows, index)
-    block_rows = torch.arange(0, size, EXPERT_ROWS, device=device)
-    # The expert whose group holds each block; blocks past the last group point at the last expert
-    # (never run: past used_rows).
-    tile_experts = torch.searchsorted(ends, block_rows, right=True).clamp_(max=num_experts - 1)
-    return Routes(rows, sources, tile_experts.int(), ends[-1:].int(), ends.int())
+    ends = torch.cumsum(counts, 0)
+    tiles_of_expert = (counts + EXPERT_ROWS - 1) // EXPERT_ROWS
+    tile_ends = torch.cumsum(tiles_of_expert, 0)
+    tile = torch.arange(max_tiles(slots, num_experts), device=device)
+    # The expert of each tile; entries past the tiles in use point at the last expert (never read).
+    expert = torch.searchsorted(tile_ends, tile, right=True).clamp_(max=num_experts - 1)
+    first_tile = tile_ends[expert] - tiles_of_expert[expert]
+    first_row = ends[expert] - counts[expert] + (tile - first_tile) * EXPERT_ROWS
+    tiles = torch.stack((expert, first_row, ends[expert]), dim=1).int()
+    return Routes(rows, order, tiles, tile_ends[-1:].int(), ends.int())

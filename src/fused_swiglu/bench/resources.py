@@ -71,8 +71,11 @@ def forward_kernel(
     precision: str,
     cfg: TileConfig | None = None,
     target: GPUTarget = SM90,
+    experts: bool = False,
 ):
-    cfg = cfg or forward_config(m, hidden, inter, dtype, True, save, precision)
+    """The Triton forward as the library launches it; ``experts``: with the routed experts' tile
+    table and the pointers of its masked stores."""
+    cfg = cfg or forward_config(m, hidden, inter, dtype, True, save, precision, experts)
     width = cfg.block_n // cfg.epilogue_split
     descriptors = {
         "x_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
@@ -80,18 +83,20 @@ def forward_kernel(
         "a_desc": _descriptor_type([cfg.block_m, width], dtype),
     }
     constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
-    constants |= {
-        "u_desc": None,
-        "v_desc": None,
-        "e_ptr": None,
-        "used_ptr": None,
-        "ROWS": EXPERT_ROWS,
-    }  # dense
+    constants |= {"u_desc": None, "v_desc": None, "ROWS": EXPERT_ROWS}
     if save == Saved.NOTHING:
         constants["s_desc"] = None
     else:
         descriptors["s_desc"] = _descriptor_type([cfg.block_m, 2 * width], dtype)
     scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_multiplier": "fp32", "down_multiplier": "fp32"}
+    pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    routed = {"t_ptr": "*i32", "used_ptr": "*i32", "a_ptr": pointer}
+    routed["s_ptr"] = pointer if save != Saved.NOTHING else None
+    for name, kind in routed.items():
+        if experts and kind is not None:
+            scalars[name] = kind
+        else:
+            constants[name] = None
     return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg, target)
 
 
@@ -262,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         dtype_name = str(dtype).removeprefix("torch.") + (f"/{precision}" if dtype == torch.float32 else "")
         label = f"{name} M={rows} {dtype_name} {family} {save.name}"
         if not _report(label, _tile(cfg), seen[key], precision, SHARED_LIMIT[args.arch]):
+            failed.append(label)
+    # The routed experts' forward: the tile table and the masked stores of each group's last tile.
+    for name, save, bulk in itertools.product(args.shapes, (Saved.NOTHING, Saved.FACTORS), (True, False)):
+        m, hidden, inter = SHAPES[name]
+        rows = m if bulk else 1
+        cfg, kernel = forward_kernel(
+            rows, hidden, inter, torch.bfloat16, save, "tf32", target=target, experts=True
+        )
+        label = f"{name} M={rows} bfloat16 forward {save.name} (routed experts)"
+        if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
             failed.append(label)
     # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
     for name, save in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):

@@ -150,8 +150,8 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save:
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
-#: Routed experts: each expert's rows start on a block of this many rows, so that every forward tile
-#: belongs to one expert (a multiple of every forward tile's rows).
+#: Routed experts: the forward kernel walks each expert's group of rows in tiles of this many rows
+#: (routing.py), so that every tile belongs to one expert (a multiple of every forward tile's rows).
 EXPERT_ROWS = 128 if not interpreting() else INTERPRETER_CONFIG.block_m
 
 
@@ -164,16 +164,23 @@ def forward_config(
     on_gpu: bool,
     save: Saved = Saved.NOTHING,
     precision: str = "tf32",
+    routed: bool = False,
 ) -> TileConfig:
     """Tile of the gate/up GEMM + SwiGLU kernel for x [m, hidden] and a packed [2 * inter, hidden] weight.
 
     A [128, 256] packed tile with 3 stages and a flattened persistent loop (measured in
     docs/design/kernel-choice.md). Inference stores only ``a``, whose whole staging tile fits beside
     the three pipeline stages; training also stores the [128, 256] saved tile, so its epilogue goes
-    out in two halves to stay inside shared memory.
+    out in two halves to stay inside shared memory. ``routed``: the routed experts' variant.
     """
     if not on_gpu:
         return INTERPRETER_CONFIG
+    if routed:
+        # Routed experts (a tile table, routing.py): Triton cannot flatten the persistent loop around
+        # the branch to a group's cut tile, and the cut tile's masked stores need registers that
+        # only four epilogue pieces leave free (python -m fused_swiglu.bench.resources).
+        dense = forward_config(m, hidden, inter, dtype, on_gpu, save, precision)
+        return replace(dense, flatten=False, epilogue_split=4)
     block_k = 64 if dtype.itemsize == 2 else 32
     # Three-pass TF32 (fp32 with TF32 allowed) splits both operands in registers: the packed
     # [128, 256] tile spills with it (python -m fused_swiglu.bench.resources), a [128, 128] one does not.

@@ -13,10 +13,12 @@ accumulator in registers and writes
 With a low-rank term (LoRA adapters on gate and up), one more ``tl.dot`` per tile adds
 ``u @ v^T`` (``u`` [M, R], ``v`` [2I, R] packed like the weight) to the accumulator before the epilogue.
 
-Routed experts (``tile_experts`` given): x holds the rows of every expert, each expert's rows a run of
-whole ``EXPERT_ROWS`` blocks; ``tile_experts[b]`` is the expert of row block ``b``, and the weight holds
-every expert's packed rows one after another ([E * 2I, H]). Only the first ``used_rows[0]`` rows are
-computed (the rest of x is spare room, its size fixed before the routing is known).
+Routed experts (a tile table given, routing.py): x holds the rows of every expert, grouped by expert
+with no padding, and the weight holds every expert's packed rows one after another ([E * 2I, H]).
+Entry ``t`` of the table is a tile of up to ``EXPERT_ROWS`` rows of one expert: (expert, first row,
+end row of its group); only the first ``used_tiles[0]`` entries are run. A tile that reaches past its
+group's end is stored with masks, row by row up to the end, since a TMA store clips only at the
+tensor's edge and would write the next expert's rows; every other tile is stored through TMA.
 
 The [M, 2I] pre-activation never reaches memory unless it is what is saved.
 """
@@ -48,12 +50,34 @@ from .launch import KernelLauncher, Tma
 
 
 @triton.jit
+def _store(desc, ptr, b, o_m, o_c, end, cols, BM: tl.constexpr, W: tl.constexpr):
+    """``b`` [BM, W] at row ``o_m``, column ``o_c`` of a [rows, ``cols``] tensor: through TMA, or,
+    with ``ptr`` given (routed experts) and the tile past its group's ``end`` row, with masks."""
+    if ptr is None:  # a compile-time branch: the dense kernel has no masked stores
+        desc.store([o_m, o_c], b)
+    else:
+        if o_m + BM > end:
+            # The tile's rows up to the group's end: 32-bit offsets from the tile's first element.
+            rows = tl.arange(0, BM)
+            columns = tl.arange(0, W)
+            first = ptr + o_m.to(tl.int64) * cols + o_c
+            keep = (rows[:, None] < end - o_m) & (columns[None, :] < cols - o_c)
+            tl.store(first + rows[:, None] * cols + columns[None, :], b, mask=keep)
+        else:
+            desc.store([o_m, o_c], b)
+
+
+@triton.jit
 def _forward_epilogue(
     b_acc,  # [BM, W] fp32, packed columns starting at packed column 2 * o_n
     a_desc,
     s_desc,
+    a_ptr,  # a and the saved tensor as pointers (routed experts), else None
+    s_ptr,
     o_m,
     o_n,
+    end,  # the end row of the tile's group (routed experts)
+    N,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,
@@ -65,12 +89,13 @@ def _forward_epilogue(
     b_g = b_gate * gate_multiplier
     b_silu, b_slope = silu_and_slope(b_g)
     if a_desc is not None:
-        a_desc.store([o_m, o_n], (b_silu * b_up * down_multiplier).to(a_desc.dtype))
+        b_a = (b_silu * b_up * down_multiplier).to(a_desc.dtype)
+        _store(a_desc, a_ptr, b_a, o_m, o_n, end, N, BM, W // 2)
     if SAVE == 1:
         b_factors = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, W, CHUNK_)
-        s_desc.store([o_m, 2 * o_n], b_factors.to(s_desc.dtype))
+        _store(s_desc, s_ptr, b_factors.to(s_desc.dtype), o_m, 2 * o_n, end, 2 * N, BM, W)
     elif SAVE == 2:
-        s_desc.store([o_m, 2 * o_n], b_acc.to(s_desc.dtype))
+        _store(s_desc, s_ptr, b_acc.to(s_desc.dtype), o_m, 2 * o_n, end, 2 * N, BM, W)
 
 
 @triton.jit
@@ -81,8 +106,10 @@ def _glu_forward_kernel(
     s_desc,  # [M, 2N] packed, or None
     u_desc,  # [M, R] low-rank input, or None
     v_desc,  # [2N, R] packed low-rank weight, or None
-    e_ptr,  # [M / ROWS] int32 expert of each row block, or None (one weight)
-    used_ptr,  # [1] int32 rows in use (with e_ptr)
+    t_ptr,  # [T, 3] int32 tile table (expert, first row, group end row), or None (one weight)
+    used_ptr,  # [1] int32 tiles in use (with t_ptr)
+    a_ptr,  # a and the saved tensor again, for the masked stores (with t_ptr)
+    s_ptr,
     M,
     N,
     K,
@@ -97,10 +124,11 @@ def _glu_forward_kernel(
     FLATTEN: tl.constexpr,
     CHUNK_: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per expert block (with e_ptr)
+    ROWS: tl.constexpr,  # rows per table tile, a multiple of BM (with t_ptr)
 ):
-    if e_ptr is not None:
-        M = tl.load(used_ptr)  # the tiles past the routed rows are not run
+    SUB: tl.constexpr = ROWS // BM  # kernel tiles per table tile
+    if t_ptr is not None:
+        M = tl.load(used_ptr) * ROWS  # the table's tiles in use: their kernel tiles run, no others
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     num_k = tl.cdiv(K, BK)
@@ -109,8 +137,12 @@ def _glu_forward_kernel(
         o_m = i_m * BM
         o_n = i_n * BN
         o_w = 2 * o_n  # the tile's first packed weight row
-        if e_ptr is not None:
-            o_w += tl.load(e_ptr + o_m // ROWS) * 2 * N
+        end = M
+        if t_ptr is not None:
+            entry = t_ptr + 3 * (i_m // SUB)
+            o_w += tl.load(entry) * 2 * N
+            o_m = tl.load(entry + 1) + (i_m % SUB) * BM
+            end = tl.load(entry + 2)
         b_acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         for i_k in range(num_k):
             b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
@@ -124,21 +156,53 @@ def _glu_forward_kernel(
         N_W: tl.constexpr = W // 2  # intermediate columns per piece
         if EPI_SPLIT == 1:
             _forward_epilogue(
-                b_acc, a_desc, s_desc, o_m, o_n, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
+                b_acc,
+                a_desc,
+                s_desc,
+                a_ptr,
+                s_ptr,
+                o_m,
+                o_n,
+                end,
+                N,
+                gate_multiplier,
+                down_multiplier,
+                SAVE,
+                BM,
+                W,
+                CHUNK_,
             )
         else:
             # Column pieces, each still whole packed chunks: smaller epilogue staging buffers.
             b_lo, b_hi = split_halves(b_acc, BM, 2 * BN)
             if EPI_SPLIT == 2:
                 _forward_epilogue(
-                    b_lo, a_desc, s_desc, o_m, o_n, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
+                    b_lo,
+                    a_desc,
+                    s_desc,
+                    a_ptr,
+                    s_ptr,
+                    o_m,
+                    o_n,
+                    end,
+                    N,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _forward_epilogue(
                     b_hi,
                     a_desc,
                     s_desc,
+                    a_ptr,
+                    s_ptr,
                     o_m,
                     o_n + N_W,
+                    end,
+                    N,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -150,17 +214,49 @@ def _glu_forward_kernel(
                 b_0, b_1 = split_halves(b_lo, BM, BN)
                 b_2, b_3 = split_halves(b_hi, BM, BN)
                 _forward_epilogue(
-                    b_0, a_desc, s_desc, o_m, o_n, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
+                    b_0,
+                    a_desc,
+                    s_desc,
+                    a_ptr,
+                    s_ptr,
+                    o_m,
+                    o_n,
+                    end,
+                    N,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _forward_epilogue(
-                    b_1, a_desc, s_desc, o_m, o_n + N_W, gate_multiplier, down_multiplier, SAVE, BM, W, CHUNK_
+                    b_1,
+                    a_desc,
+                    s_desc,
+                    a_ptr,
+                    s_ptr,
+                    o_m,
+                    o_n + N_W,
+                    end,
+                    N,
+                    gate_multiplier,
+                    down_multiplier,
+                    SAVE,
+                    BM,
+                    W,
+                    CHUNK_,
                 )
                 _forward_epilogue(
                     b_2,
                     a_desc,
                     s_desc,
+                    a_ptr,
+                    s_ptr,
                     o_m,
                     o_n + 2 * N_W,
+                    end,
+                    N,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -172,8 +268,12 @@ def _glu_forward_kernel(
                     b_3,
                     a_desc,
                     s_desc,
+                    a_ptr,
+                    s_ptr,
                     o_m,
                     o_n + 3 * N_W,
+                    end,
+                    N,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -201,9 +301,9 @@ def glu_forward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable, as
     must ``low_rank`` = (u [M, R], v [2I, R]) if given (R a multiple of 16): ``u @ v^T`` is added to
-    the pre-activation. With ``experts`` = (tile_experts, used_rows, E), ``w_packed`` is [E, 2I, H]
-    (contiguous) and rows are routed as the module docstring says (the tile's rows must divide
-    ``EXPERT_ROWS``).
+    the pre-activation. With ``experts`` = (tiles, used_tiles, E) (routing.py), ``w_packed`` is
+    [E, 2I, H] (contiguous) and rows are routed as the module docstring says (the tile's rows must
+    divide ``EXPERT_ROWS``).
 
     Returns ``a`` [M, I] (scaled by ``down_multiplier``; ``None`` with ``write_a=False``, for a backward that
     only needs the factors) and the saved packed [M, 2I] tensor (or ``None``).
@@ -215,18 +315,23 @@ def glu_forward(
         w_packed = w_packed.flatten(0, 1)  # [E, 2I, H] -> [E * 2I, H]: each expert's rows in turn
     inter = w_packed.shape[0] // 2 if experts is None else w_packed.shape[0] // (2 * experts[2])
     precision = dot_precision(x.dtype)
-    cfg = config or forward_config(m, hidden, inter, x.dtype, not interpreting(), save, precision)
-    if low_rank is not None and config is None and not interpreting():
+    on_gpu = not interpreting()
+    cfg = config or forward_config(m, hidden, inter, x.dtype, on_gpu, save, precision, experts is not None)
+    if low_rank is not None and config is None and on_gpu:
         limit = shared_memory_limit(x.device)
         cfg = fit_low_rank(cfg, x.dtype.itemsize, low_rank[0].shape[1], save, write_a, limit)
     if experts is not None and EXPERT_ROWS % cfg.block_m:
         raise ValueError(
-            f"expert row blocks of {EXPERT_ROWS} rows need a tile of rows dividing it, not {cfg.block_m}"
+            f"expert tiles of {EXPERT_ROWS} rows need a kernel tile of rows dividing it, not {cfg.block_m}"
         )
     width = cfg.block_n // cfg.epilogue_split  # intermediate columns per epilogue piece
     a = empty((m, inter), x) if write_a else None
     saved = empty((m, 2 * inter), x) if save != Saved.NOTHING else None
-    num_tiles = cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n)
+    # Routed experts: as many row tiles as the table may hold (each group's last may be a part tile).
+    row_tiles = (
+        cdiv(m, cfg.block_m) if experts is None else experts[0].shape[0] * (EXPERT_ROWS // cfg.block_m)
+    )
+    num_tiles = row_tiles * cdiv(inter, cfg.block_n)
     _launch_forward(
         (persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),),
         Tma(x, (cfg.block_m, cfg.block_k)),
@@ -237,6 +342,8 @@ def glu_forward(
         None if low_rank is None else Tma(low_rank[1], (2 * cfg.block_n, low_rank[1].shape[1])),
         None if experts is None else experts[0],
         None if experts is None else experts[1],
+        None if experts is None else a,
+        None if experts is None else saved,
         m,
         inter,
         hidden,
