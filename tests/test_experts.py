@@ -399,3 +399,16 @@ def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
     packed = torch.bmm(gate_up[index.reshape(-1)[routes.sources]], x_rows[:, :, None])[:, :, 0]
     up, gate = packed.view(-1, 48 // 8, 2, 8).unbind(2)
     assert relative_error(results[1][0], (torch.nn.functional.silu(gate) * up).reshape(-1, 48)) < 1e-5
+
+
+@pytest.mark.parametrize("size", [(1, 8), (37, 24), (130, 300)], ids=lambda s: f"M{s[0]}-N{s[1]}")
+def test_row_dot_accumulates_in_fp32(device, size):
+    """The routing weights' gradient: row-wise dot products in one pass, fp32 sums of exact products."""
+    from fused_swiglu.experts_ops import row_dot
+
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(size[0])
+    a, b = (torch.randn(*size, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    got = row_dot(a, b)
+    assert got.dtype == torch.float32 and got.shape == (size[0],)
+    assert relative_error(got, (a.double() * b.double()).sum(-1)) < 1e-5

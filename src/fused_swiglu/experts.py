@@ -25,6 +25,7 @@ from .experts_ops import (
     experts_glu_forward,
     experts_glu_inference,
     grouped_mm,
+    row_dot,
 )
 from .functional import _autocast, check_save_mode
 from .layout import CHUNK, check_intermediate_size, split_packed_columns
@@ -67,8 +68,7 @@ class WeightedDownFunction(torch.autograd.Function):
         need_da, need_dw, need_ddown = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         grad = grouped_mm(dy, down_weight, ends)  # of a * w
-        wide = torch.promote_types(a.dtype, torch.float32)  # the row sums accumulate in fp32 or wider
-        dw = torch.linalg.vecdot(grad.to(wide), a.to(wide)).to(weights.dtype) if need_dw else None
+        dw = row_dot(grad, a).to(weights.dtype) if need_dw else None  # accumulated in fp32
         # a's last use: a * w in place, then the gradient of a over the gradient of a * w.
         ddown = grouped_mm(dy.t(), a.mul_(weights[:, None]), ends) if need_ddown else None
         del a

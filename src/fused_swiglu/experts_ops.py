@@ -21,8 +21,10 @@ import torch
 from .kernels.common import Saved, tma_ready
 from .kernels.glu_forward import glu_forward
 from .kernels.glu_grad import glu_grad_
+from .kernels.row_dot import row_dot as _row_dot_kernel
 from .library import define, register_autograd
 from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
+from .support import kernels_run_on
 
 EXPERTS_SAVE_MODES = ("factors", "recompute")
 
@@ -77,6 +79,24 @@ def _grouped_mm_backward(ctx, grad):
 
 
 register_autograd(grouped_mm, _grouped_mm_backward, _grouped_mm_setup)
+
+
+@_on_tensor_device
+def _row_dot(a, b):
+    """Row-wise ``(a * b).sum(-1)`` of [P, N] tensors, accumulated in fp32 or wider: the kernel where
+    the fused kernels run, else in PyTorch on copies in fp32 (float64 stays float64)."""
+    if kernels_run_on(a.dtype, a.device):
+        return _row_dot_kernel(a.contiguous(), b.contiguous())
+    wide = torch.promote_types(a.dtype, torch.float32)
+    return torch.linalg.vecdot(a.to(wide), b.to(wide))
+
+
+def _row_dot_fake(a, b):
+    return a.new_empty(a.shape[0], dtype=torch.promote_types(a.dtype, torch.float32))
+
+
+#: The routing weights' gradient (experts.py): an op of its own, so that the compiler calls the kernel.
+row_dot = define("row_dot(Tensor a, Tensor b) -> Tensor", _row_dot, _row_dot_fake)
 
 
 def _forward(x_rows, gate_up_weight, tiles, used_tiles, save: Saved, write_a: bool = True):

@@ -47,10 +47,12 @@ def fused_path_available(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     # The alignment is tested here, not in the constant-marked check below: compiled with dynamic
     # shapes, Dynamo may make the widths symbolic (torch 2.11 does), and that check takes constants.
     aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
-    return aligned and _kernels_run_on(x.dtype, x.device)
+    return aligned and kernels_run_on(x.dtype, x.device)
 
 
-def _kernels_run_on(dtype: torch.dtype, device: torch.device) -> bool:
+def kernels_run_on(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the library's kernels run for tensors of ``dtype`` on ``device`` (the rows'
+    alignment aside)."""
     if dtype not in FUSED_DTYPES:
         return False
     if device.type == "cuda":
@@ -65,4 +67,4 @@ def _kernels_run_on(dtype: torch.dtype, device: torch.device) -> bool:
 # calls a function so marked and keeps its result as a constant instead of tracing the device query.
 # This is what torch.compiler.assume_constant_result does, which would import Dynamo with the library
 # (about a second, which an eager user never pays). Were the mark ignored, Dynamo would trace it.
-_kernels_run_on._dynamo_marked_constant = True
+kernels_run_on._dynamo_marked_constant = True

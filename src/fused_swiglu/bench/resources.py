@@ -37,6 +37,7 @@ from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
+from ..kernels.row_dot import GPU_BLOCK, _row_dot_kernel
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
@@ -278,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{name} M={rows} bfloat16 forward {save.name} (routed experts)"
         if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
             failed.append(label)
+    # The routed experts' row-wise dot (the routing weights' gradient): a plain Triton kernel.
+    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "BM": "constexpr", "BN": "constexpr"}
+    signature |= dict.fromkeys(("M", "N", "stride_a", "stride_b"), "i32")
+    signature = {name: signature[name] for name in _row_dot_kernel.arg_names}
+    source = ASTSource(_row_dot_kernel, signature, dict(zip(("BM", "BN"), GPU_BLOCK, strict=True)))
+    kernel = triton.compile(source, target=target, options={"num_warps": 4})
+    tile, limit = "x".join(map(str, GPU_BLOCK)), SHARED_LIMIT[args.arch]
+    if not _report("bfloat16 row dot (routed experts)", tile, resources(kernel), "tf32", limit):
+        failed.append("row dot")
     # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
     for name, save in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):
         m, hidden, inter = SHAPES[name]
