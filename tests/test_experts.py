@@ -56,7 +56,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("save", ["factors", "recompute"])
+@pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])))
 def test_experts_match_float64_reference(device, case, save):
     *sizes, options = case
@@ -71,7 +71,7 @@ def test_experts_match_float64_reference(device, case, save):
         assert relative_error(got[name], oracle[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("save", ["factors", "recompute"])
+@pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
 def test_experts_half_precision_within_twice_eager_error(device, save):
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # bf16 tl.dot is wrong on CPU
     args = problem(96, 64, 48, 8, 2, device, skew=True)
@@ -170,7 +170,7 @@ def test_bad_input_is_refused_by_name(device, change, error, words):
     with pytest.raises(error, match=words):
         swiglu_experts(**change(args))
     with pytest.raises(ValueError, match="save must be one of"):
-        swiglu_experts(**args, save="preact")
+        swiglu_experts(**args, save="activations")
 
 
 def test_packing_round_trips():
@@ -314,11 +314,26 @@ def test_second_backward_is_refused_or_right(device):
     y.backward(dy, retain_graph=True)
     with pytest.raises(RuntimeError):
         y.backward(dy)
+    y = swiglu_experts(x, index, weights, gate_up, down, save="preact")
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="already walked backward once"):
+        y.backward(dy)
     gate_up.grad = None
     y = swiglu_experts(x, index, weights, gate_up, down, save="recompute")
     (first,) = torch.autograd.grad(y, gate_up, dy, retain_graph=True)
     (second,) = torch.autograd.grad(y, gate_up, dy)
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(("save", "kept"), [("factors", 3), ("preact", 2), ("recompute", 0)])
+def test_activations_kept_per_routed_slot(device, save, kept):
+    """Between forward and backward, beyond x, the weights and the routing: ``kept`` x intermediate
+    elements per routed slot (x's rows are gathered again in the backward, not kept)."""
+    x, index, weights, gate_up, down, _ = problem(40, 32, 24, 6, 2, device)
+    y = swiglu_experts(x, index, weights.requires_grad_(), gate_up.requires_grad_(), down, save=save)
+    inputs = {t.data_ptr() for t in (x, weights, gate_up, down)}
+    saved = [t for t in y.grad_fn.saved_tensors if t.is_floating_point() and t.data_ptr() not in inputs]
+    assert sum(t.numel() for t in saved) == index.numel() * kept * 24
 
 
 def test_a_new_module_is_initialised_like_linear_layers():
@@ -355,7 +370,7 @@ def test_autocast_casts_like_a_matmul(device):
     experts=st.sampled_from([1, 3, 8, 32, 256]),
     top_k=st.integers(1, 8),
     precision=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    save=st.sampled_from(["factors", "recompute"]),
+    save=st.sampled_from(["factors", "preact", "recompute"]),
 )
 def test_fuzz_against_the_reference(tokens, hidden, inter, experts, top_k, precision, save):
     """Random sizes, expert counts up to 256, top-k up to 8 (at most the expert count), every dtype:
@@ -404,7 +419,7 @@ def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
 @pytest.mark.parametrize("size", [(1, 8), (37, 24), (130, 300)], ids=lambda s: f"M{s[0]}-N{s[1]}")
 def test_row_dot_accumulates_in_fp32(device, size):
     """The routing weights' gradient: row-wise dot products in one pass, fp32 sums of exact products."""
-    from fused_swiglu.experts_ops import row_dot
+    from fused_swiglu.kernels.row_dot import row_dot
 
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(size[0])

@@ -5,9 +5,10 @@
 Each token's slots are grouped by expert (routing.py); the gate/up projections of every expert run as
 one fused kernel with the SwiGLU in its epilogue (experts_ops.py), the down projections as one grouped
 GEMM; the routing weights scale ``a`` on its way into the down GEMM, and their gradient is the row sum
-of ``a`` times its gradient. What is saved per routed slot between forward and backward: the factors
-and ``a`` (3I, ``save="factors"``) or ``a`` alone (I, ``save="recompute"``, which reruns the gate/up
-kernel in the backward).
+of ``a`` times its gradient. What is saved per routed slot between forward and backward, as for the
+dense MLP: the factors and ``a`` (3I, ``save="factors"``), the pre-activations (2I, ``"preact"``) or
+nothing (``"recompute"``, which reruns the gate/up kernel in the backward); x's rows are gathered
+again in the backward rather than kept.
 
 Weights: ``gate_up_weight`` [E, 2I, H], each expert's rows packed as the dense MLP's (layout.py), and
 ``down_weight`` [E, H, I]. ``SwiGLUExperts`` holds them and reads and writes the checkpoint layout of
@@ -19,94 +20,55 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts_ops import (
-    EXPERTS_SAVE_MODES,
-    experts_glu_backward,
-    experts_glu_forward,
-    experts_glu_inference,
-    grouped_mm,
-    row_dot,
-)
+from .experts_ops import EXPERTS_SAVE_MODES, experts_backward, experts_forward, experts_inference
 from .functional import _autocast, check_save_mode
-from .layout import CHUNK, check_intermediate_size, split_packed_columns
+from .layout import CHUNK, check_intermediate_size
 from .ops import _refuse_double_backward, _saved_tensors
-from .routing import Routes, route
-from .support import fused_path_available
+from .routing import route
 
 __all__ = ["SwiGLUExperts", "reference_swiglu_experts", "swiglu_experts"]
 
 
-class ExpertsGLUFunction(torch.autograd.Function):
-    """``a`` [P, I] of the grouped rows ``x_rows`` [P, H]: each row's expert's SwiGLU gate/up half."""
+class RoutedExpertsFunction(torch.autograd.Function):
+    """y [T, H]: each token's routed slots through their experts' SwiGLU MLPs, weighted and summed.
+
+    The slots' rows are gathered from x (and their gradients summed back) here, in PyTorch; the
+    experts run in the ops (experts_ops.py). Saved for the backward besides x, the weights and the
+    routing: what the forward op saved for ``save``, per routed slot."""
 
     @staticmethod
-    def forward(ctx, x_rows, gate_up_weight, tiles, used_tiles, ends, save: str):
-        a, saved = experts_glu_forward(x_rows, gate_up_weight, tiles, used_tiles, save)
-        ctx.save_for_backward(x_rows, gate_up_weight, saved, tiles, used_tiles, ends)
-        ctx.save = save
-        return a
-
-    @staticmethod
-    def backward(ctx, da):
-        _refuse_double_backward()
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        dx, dw = experts_glu_backward(da, *_saved_tensors(ctx), ctx.save, need_dx, need_dw)
-        return dx if need_dx else None, dw if need_dw else None, None, None, None, None
-
-
-class WeightedDownFunction(torch.autograd.Function):
-    """``(a * w) @ down[e]^T`` per grouped row, keeping ``a`` and ``w`` rather than their product."""
-
-    @staticmethod
-    def forward(ctx, a, weights, down_weight, ends):
-        ctx.save_for_backward(a, weights, down_weight, ends)
-        return grouped_mm(a * weights[:, None], down_weight.transpose(1, 2), ends)
+    def forward(
+        ctx, x, slot_weights, gate_up_weight, down_weight, rows, sources, tiles, used_tiles, ends, k, save
+    ):
+        token_of_row = sources // k
+        weights = (gate_up_weight, down_weight)
+        table = (tiles, used_tiles, ends)
+        y_rows, saved, a = experts_forward(x[token_of_row], slot_weights[sources], *weights, *table, save)
+        ctx.save_for_backward(x, slot_weights, *weights, rows, sources, *table, saved, a)
+        ctx.k, ctx.save = k, save
+        return _combine(y_rows, rows, k)
 
     @staticmethod
     def backward(ctx, dy):
-        a, weights, down_weight, ends = ctx.saved_tensors
-        need_da, need_dw, need_ddown = ctx.needs_input_grad[:3]
-        dy = dy.contiguous()
-        grad = grouped_mm(dy, down_weight, ends)  # of a * w
-        dw = row_dot(grad, a).to(weights.dtype) if need_dw else None  # accumulated in fp32
-        # a's last use: a * w in place, then the gradient of a over the gradient of a * w.
-        ddown = grouped_mm(dy.t(), a.mul_(weights[:, None]), ends) if need_ddown else None
-        del a
-        return grad.mul_(weights[:, None]) if need_da else None, dw, ddown, None
+        _refuse_double_backward()
+        x, slot_weights, gate_up_weight, down_weight, rows, sources, *table, saved, a = _saved_tensors(ctx)
+        needs = ctx.needs_input_grad[:4]
+        token_of_row = sources // ctx.k
+        rows_of = (dy[token_of_row], x[token_of_row], slot_weights[sources], gate_up_weight, down_weight)
+        grads = experts_backward(*rows_of, saved, a, *table, ctx.save, *needs)
+        dx_rows, dw_rows, dgate_up, ddown = (
+            g if need else None for g, need in zip(grads, needs, strict=True)
+        )
+        dx = None if dx_rows is None else _combine(dx_rows, rows, ctx.k)
+        dw = None if dw_rows is None else dw_rows[rows].to(slot_weights.dtype)  # back to slot order
+        return dx, dw, dgate_up, ddown, *(None,) * 7
 
 
-class _Gather(torch.autograd.Function):
-    """``source`` [N, ...] -> [R, ...]: row ``r`` is ``source[index[r]]``, and every source row ``n``
-    reaches the rows ``back[n * k : (n + 1) * k]``. Its gradient gathers those rows and sums them
-    (``_Sum``), so neither direction adds rows up with atomics (the autograd of indexing would)."""
-
-    @staticmethod
-    def forward(ctx, source, index, back, k: int):
-        ctx.save_for_backward(index, back)
-        ctx.k = k
-        return source[index]
-
-    @staticmethod
-    def backward(ctx, grad):
-        index, back = ctx.saved_tensors
-        return _Sum.apply(grad, back, index, ctx.k), None, None, None
-
-
-class _Sum(torch.autograd.Function):
-    """``rows`` [R, ...] -> [N, ...]: row ``n`` is the sum of ``rows[back[n * k : (n + 1) * k]]``
-    (the adjoint of ``_Gather``)."""
-
-    @staticmethod
-    def forward(ctx, rows, back, index, k: int):
-        ctx.save_for_backward(index, back)
-        ctx.k = k
-        picked = rows[back]
-        return picked.view(-1, k, *rows.shape[1:]).sum(1) if k > 1 else picked
-
-    @staticmethod
-    def backward(ctx, grad):
-        index, back = ctx.saved_tensors
-        return _Gather.apply(grad, index, back, ctx.k), None, None, None
+def _combine(rows_tensor: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """[P, H] grouped rows -> [T, H]: each token's ``k`` rows (``rows`` holds the row of each slot)
+    summed, gathered rather than added with atomics."""
+    picked = rows_tensor[rows]
+    return picked.view(-1, k, rows_tensor.shape[1]).sum(1) if k > 1 else picked
 
 
 def _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> None:
@@ -162,7 +124,8 @@ def swiglu_experts(
 ) -> torch.Tensor:
     """Routed SwiGLU experts: ``x`` [T, H], ``top_k_index`` [T, k] expert ids in ``[0, E)``,
     ``top_k_weights`` [T, k], ``gate_up_weight`` [E, 2I, H] packed per expert, ``down_weight``
-    [E, H, I] -> [T, H] in x's dtype (module docstring). ``save``: ``"factors"`` or ``"recompute"``.
+    [E, H, I] -> [T, H] in x's dtype (module docstring). ``save``: ``"factors"``, ``"preact"`` or
+    ``"recompute"``.
 
     Where the fused kernels do not run (support.py: e.g. bf16 on CPU, GPUs other than Hopper), the
     same steps run with the SwiGLU in PyTorch beside a grouped GEMM (one graph under
@@ -180,25 +143,17 @@ def swiglu_experts(
 
 def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: str) -> torch.Tensor:
     routes = route(top_k_index, gate_up_weight.shape[0])
-    top_k = top_k_index.shape[1]
-    token_of_row = routes.sources // top_k
-    x_rows = _Gather.apply(x, token_of_row, routes.rows, top_k)
-    weights = _Gather.apply(top_k_weights.reshape(-1).to(x.dtype), routes.sources, routes.rows, 1)
-    if fused_path_available(x, gate_up_weight[0]):
-        a = _glu(x_rows, gate_up_weight, routes, save)
-    else:  # the same steps with the SwiGLU in PyTorch beside a grouped GEMM (no fused kernel here)
-        packed = grouped_mm(x_rows, gate_up_weight.transpose(1, 2), routes.ends)
-        up, gate = split_packed_columns(packed)
-        a = torch.nn.functional.silu(gate) * up
-    y_rows = WeightedDownFunction.apply(a, weights, down_weight, routes.ends)
-    return _Sum.apply(y_rows, routes.rows, token_of_row, top_k)
-
-
-def _glu(x_rows, gate_up_weight, routes: Routes, save: str) -> torch.Tensor:
-    if torch.is_grad_enabled() and (x_rows.requires_grad or gate_up_weight.requires_grad):
-        args = (routes.tiles, routes.used_tiles, routes.ends)
-        return ExpertsGLUFunction.apply(x_rows, gate_up_weight, *args, save)
-    return experts_glu_inference(x_rows, gate_up_weight, routes.tiles, routes.used_tiles)
+    k = top_k_index.shape[1]
+    slot_weights = top_k_weights.reshape(-1).to(x.dtype)
+    table = (routes.tiles, routes.used_tiles, routes.ends)
+    leaves = (x, slot_weights, gate_up_weight, down_weight)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+        return RoutedExpertsFunction.apply(*leaves, routes.rows, routes.sources, *table, k, save)
+    token_of_row = routes.sources // k
+    y_rows = experts_inference(
+        x[token_of_row], slot_weights[routes.sources], gate_up_weight, down_weight, *table
+    )
+    return _combine(y_rows, routes.rows, k)
 
 
 def reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> torch.Tensor:

@@ -1,14 +1,19 @@
-"""The custom ops of the routed experts' GLU half (``fused_swiglu::``, as ops.py for the dense MLP): x's
-rows grouped by expert (routing.py) times every expert's packed gate/up weight, the SwiGLU in the
-forward kernel's epilogue.
+"""The custom ops of the routed experts (``fused_swiglu::``, as ops.py for the dense MLP), over x's rows
+grouped by expert, one row per routed slot (routing.py):
 
-* forward: the forward kernel with a table of row tiles, each of one expert (routing.py); keeps the
-  factors (``"factors"``) or nothing (``"recompute"``, where the backward runs the forward kernel
-  again);
-* backward: the SwiGLU gradient over the saved factors in place (kernels/glu_grad.py), then dX and
-  the packed dW as grouped GEMMs (``torch._grouped_mm``) over the experts' groups of rows.
+* forward: every expert's gate/up GEMM as the forward kernel with a table of row tiles and the
+  SwiGLU in its epilogue, then the routing weights on ``a`` and every expert's down projection as one
+  grouped GEMM. Saved for the backward, per row: the factors and ``a`` (``"factors"``, 3I), the
+  pre-activations (``"preact"``, 2I) or nothing (``"recompute"``);
+* backward: ``a`` again where it was not saved (from the pre-activations, or by the forward kernel
+  with the factors), the down projections' gradients as grouped GEMMs, the routing weights' gradient
+  as one row-dot pass (kernels/row_dot.py), the SwiGLU gradient in place over what was saved, then dX
+  and the packed dW as grouped GEMMs;
+* inference: the forward, nothing saved.
 
-One row per routed slot, grouped by expert with no padding, so every row is written and read.
+Where the fused kernels do not run (support.py: bf16 on CPU, other GPUs, float64, unaligned rows),
+the same ops compute the SwiGLU and its gradient in PyTorch beside the grouped GEMMs, and keep the
+pre-activations where the kernels keep the factors.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ import itertools
 import torch
 
 from .kernels.common import Saved, tma_ready
+from .kernels.glu_activation import glu_activation
 from .kernels.glu_forward import glu_forward
 from .kernels.glu_grad import glu_grad_
-from .kernels.row_dot import row_dot as _row_dot_kernel
-from .library import define, register_autograd
+from .kernels.row_dot import row_dot
+from .layout import CHUNK, split_packed_columns
+from .library import define
 from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
-from .support import kernels_run_on
+from .support import fused_path_available, kernels_run_on
 
-EXPERTS_SAVE_MODES = ("factors", "recompute")
+EXPERTS_SAVE_MODES = ("factors", "preact", "recompute")
 
 
 def _grouped_mm(a, b, ends):
@@ -36,26 +43,11 @@ def _grouped_mm(a, b, ends):
     read ``ends``."""
     if a.is_cuda and a.dtype == torch.bfloat16 and _grouped_gemm_hardware(a.device.index):
         return torch._grouped_mm(a, b, offs=ends)
-    bounds = [0, *ends.tolist()]
+    # New tensors, never written after (at version 0: what the backward may overwrite, ops.py).
+    groups = enumerate(itertools.pairwise([0, *ends.tolist()]))
     if b.dim() == 3:
-        out = a.new_zeros(a.shape[0], b.shape[2])
-        for e, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-            torch.mm(a[lo:hi], b[e], out=out[lo:hi])
-        return out
-    out = a.new_empty(len(bounds) - 1, a.shape[0], b.shape[1])
-    for e, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        torch.mm(a[:, lo:hi], b[lo:hi], out=out[e])
-    return out
-
-
-def _grouped_mm_fake(a, b, ends):
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[2])
-    return a.new_empty(ends.shape[0], a.shape[0], b.shape[1])
-
-
-#: The grouped GEMMs of the routed experts, an op of its own so that the compiler takes every dtype.
-grouped_mm = define("grouped_mm(Tensor a, Tensor b, Tensor ends) -> Tensor", _grouped_mm, _grouped_mm_fake)
+        return torch.cat([torch.mm(a[lo:hi], b[e]) for e, (lo, hi) in groups])
+    return torch.stack([torch.mm(a[:, lo:hi], b[lo:hi]) for _, (lo, hi) in groups])
 
 
 @functools.cache
@@ -63,119 +55,145 @@ def _grouped_gemm_hardware(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _grouped_mm_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _grouped_mm_backward(ctx, grad):
-    """The gradients of ``a`` [P, K] @ ``b[e]`` (the form the unfused experts differentiate)."""
-    a, b, ends = ctx.saved_tensors
-    if b.dim() != 3:
-        raise RuntimeError("fused_swiglu::grouped_mm is differentiable in its [P, K] x [E, K, N] form only")
-    grad = grad.contiguous()
-    da = grouped_mm(grad, b.transpose(1, 2), ends) if ctx.needs_input_grad[0] else None
-    db = grouped_mm(a.t(), grad, ends) if ctx.needs_input_grad[1] else None
-    return da, db, None
-
-
-register_autograd(grouped_mm, _grouped_mm_backward, _grouped_mm_setup)
-
-
-@_on_tensor_device
 def _row_dot(a, b):
-    """Row-wise ``(a * b).sum(-1)`` of [P, N] tensors, accumulated in fp32 or wider: the kernel where
-    the fused kernels run, else in PyTorch on copies in fp32 (float64 stays float64)."""
+    """Row-wise ``(a * b).sum(-1)``, accumulated in fp32 or wider: the kernel where it runs, else in
+    PyTorch on fp32 copies (float64 stays float64)."""
     if kernels_run_on(a.dtype, a.device):
-        return _row_dot_kernel(a.contiguous(), b.contiguous())
+        return row_dot(a.contiguous(), b.contiguous())
     wide = torch.promote_types(a.dtype, torch.float32)
     return torch.linalg.vecdot(a.to(wide), b.to(wide))
 
 
-def _row_dot_fake(a, b):
-    return a.new_empty(a.shape[0], dtype=torch.promote_types(a.dtype, torch.float32))
+def _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save: str, fused: bool):
+    """``a`` [P, I] and what the backward reads of the gate/up half: the factors (fused ``"factors"``,
+    [P, 2I]), the pre-activations (``"preact"``, and ``"factors"`` in PyTorch) or ``None``."""
+    if fused:
+        experts = (tiles, used_tiles, gate_up_weight.shape[0])
+        multipliers = {"gate_multiplier": 1.0, "down_multiplier": 1.0}  # experts carry none
+        return glu_forward(x_rows, gate_up_weight, save=Saved.of(save), experts=experts, **multipliers)
+    packed = _grouped_mm(x_rows, gate_up_weight.transpose(1, 2), ends)
+    up, gate = split_packed_columns(packed)
+    return torch.nn.functional.silu(gate) * up, packed if save != "recompute" else None
 
 
-#: The routing weights' gradient (experts.py): an op of its own, so that the compiler calls the kernel.
-row_dot = define("row_dot(Tensor a, Tensor b) -> Tensor", _row_dot, _row_dot_fake)
+def _activation(preact, fused: bool):
+    """``a`` from the packed pre-activations [P, 2I]."""
+    if fused:
+        return glu_activation(preact, gate_multiplier=1.0, down_multiplier=1.0)
+    up, gate = split_packed_columns(preact)
+    return torch.nn.functional.silu(gate) * up
 
 
-def _forward(x_rows, gate_up_weight, tiles, used_tiles, save: Saved, write_a: bool = True):
-    """The forward kernel over every expert's rows (experts carry no multipliers)."""
-    experts = (tiles, used_tiles, gate_up_weight.shape[0])
-    options = {
-        "save": save,
-        "write_a": write_a,
-        "experts": experts,
-        "gate_multiplier": 1.0,
-        "down_multiplier": 1.0,
-    }
-    return glu_forward(x_rows, gate_up_weight, **options)
+def _swiglu_grad_(da, saved, kind: Saved, fused: bool):
+    """The packed [dU | dG] of ``da`` over ``saved`` (the factors or pre-activations), in place."""
+    if fused:
+        return glu_grad_(da, saved, save=kind)
+    up, gate = split_packed_columns(saved)  # pre-activations: the PyTorch path keeps no factors
+    sigmoid = torch.sigmoid(gate)
+    d_up, d_gate = da * gate * sigmoid, da * up * sigmoid * (1 + gate * (1 - sigmoid))
+    grouped = saved.view(saved.shape[0], -1, 2, CHUNK)  # written once both are made (up may be a view)
+    grouped[:, :, 0] = d_up.view(saved.shape[0], -1, CHUNK)
+    grouped[:, :, 1] = d_gate.view(saved.shape[0], -1, CHUNK)
+    return saved
+
+
+def _prepared(x_rows, gate_up_weight, down_weight):
+    """The op's inputs as the kernels take them, and whether the fused kernels run for them."""
+    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
+    fused = fused_path_available(x_rows, gate_up_weight[0])
+    return x_rows, gate_up_weight, down_weight.contiguous(), fused
 
 
 @_on_tensor_device
-def _experts_glu_forward(x_rows, gate_up_weight, tiles, used_tiles, save):
-    """``a`` [P, I] and the saved factors [P, 2I] (empty for ``"recompute"``)."""
-    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    a, saved = _forward(x_rows, gate_up_weight, tiles, used_tiles, Saved.of(save))
-    return a, _empty_if_none(saved, x_rows)
+def _experts_forward(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
+    """y_rows [P, H] (each row's expert's MLP, times its routing weight), the saved gate/up tensor
+    [P, 2I] and ``a`` [P, I] (each empty where ``save`` keeps none)."""
+    x_rows, gate_up_weight, down_weight, fused = _prepared(x_rows, gate_up_weight, down_weight)
+    a, saved = _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save, fused)
+    y_rows = _grouped_mm(a * w_rows[:, None], down_weight.transpose(1, 2), ends)
+    return y_rows, _empty_if_none(saved, x_rows), a if save == "factors" else x_rows.new_empty(0)
 
 
-def _experts_glu_forward_fake(x_rows, gate_up_weight, tiles, used_tiles, save):
+def _experts_forward_fake(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
     rows, two_inter = x_rows.shape[0], gate_up_weight.shape[1]
-    saved = x_rows.new_empty(rows, two_inter) if save == "factors" else x_rows.new_empty(0)
-    return x_rows.new_empty(rows, two_inter // 2), saved
+    saved = x_rows.new_empty(rows, two_inter) if save != "recompute" else x_rows.new_empty(0)
+    a = x_rows.new_empty(rows, two_inter // 2) if save == "factors" else x_rows.new_empty(0)
+    return x_rows.new_empty(x_rows.shape), saved, a
 
 
-experts_glu_forward = define(
-    "experts_glu_forward(Tensor x_rows, Tensor gate_up_weight, Tensor tiles, Tensor used_tiles, "
-    "str save) -> (Tensor, Tensor)",
-    _experts_glu_forward,
-    _experts_glu_forward_fake,
+experts_forward = define(
+    "experts_forward(Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, Tensor down_weight, "
+    "Tensor tiles, Tensor used_tiles, Tensor ends, str save) -> (Tensor, Tensor, Tensor)",
+    _experts_forward,
+    _experts_forward_fake,
 )
 
 
 @_on_tensor_device
-def _experts_glu_backward(da, x_rows, gate_up_weight, saved, tiles, used_tiles, ends, save, need_dx, need_dw):
-    """dX [P, H] and the packed dW [E, 2I, H] (empty where not needed); overwrites ``saved``."""
-    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    if Saved.of(save) == Saved.NOTHING:
-        _, saved = _forward(x_rows, gate_up_weight, tiles, used_tiles, Saved.FACTORS, write_a=False)
+def _experts_backward(
+    dy_rows, x_rows, w_rows, gate_up_weight, down_weight, saved, a, tiles, used_tiles, ends, save, *needs
+):
+    """dX_rows [P, H], the routing weights' gradient per row [P] (fp32 or wider), the packed dW
+    [E, 2I, H] and dW_down [E, H, I] (each empty where not needed); overwrites ``saved`` and ``a``."""
+    need_dx, need_dw, need_dgate_up, need_ddown = needs
+    x_rows, gate_up_weight, down_weight, fused = _prepared(x_rows, gate_up_weight, down_weight)
+    if save == "recompute":
+        a, saved = _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, "factors", fused)
     else:
         _overwrite_once(saved)
-    grad = glu_grad_(da.contiguous(), saved)  # [dU | dG] per row, packed, over the factors
-    dx = grouped_mm(grad, gate_up_weight, ends) if need_dx else None
-    dw = grouped_mm(grad.t(), x_rows, ends) if need_dw else None
-    return _empty_if_none(dx, x_rows), _empty_if_none(dw, x_rows)
+        if save == "factors":
+            _overwrite_once(a)
+        else:
+            a = _activation(saved, fused)
+    kind = Saved.FACTORS if fused and save != "preact" else Saved.PREACT
+    dy_rows = dy_rows.contiguous()
+    grad = _grouped_mm(dy_rows, down_weight, ends)  # of a * w
+    dw = _row_dot(grad, a) if need_dw else None
+    # a's last use: a * w in place, then the gradient of a over the gradient of a * w.
+    ddown = _grouped_mm(dy_rows.t(), a.mul_(w_rows[:, None]), ends) if need_ddown else None
+    del a
+    grad = _swiglu_grad_(grad.mul_(w_rows[:, None]), saved, kind, fused)  # [dU | dG], over saved
+    dx = _grouped_mm(grad, gate_up_weight, ends) if need_dx else None
+    dgate_up = _grouped_mm(grad.t(), x_rows, ends) if need_dgate_up else None
+    return tuple(_empty_if_none(g, x_rows) for g in (dx, dw, dgate_up, ddown))
 
 
-def _experts_glu_backward_fake(
-    da, x_rows, gate_up_weight, saved, tiles, used_tiles, ends, save, need_dx, need_dw
+def _experts_backward_fake(
+    dy_rows, x_rows, w_rows, gate_up_weight, down_weight, saved, a, tiles, used_tiles, ends, save, *needs
 ):
-    dx = x_rows.new_empty(x_rows.shape if need_dx else (0,))
-    return dx, x_rows.new_empty(gate_up_weight.shape if need_dw else (0,))
+    need_dx, need_dw, need_dgate_up, need_ddown = needs
+    wide = torch.promote_types(x_rows.dtype, torch.float32)
+    return (
+        x_rows.new_empty(x_rows.shape if need_dx else (0,)),
+        x_rows.new_empty((x_rows.shape[0],) if need_dw else (0,), dtype=wide),
+        x_rows.new_empty(gate_up_weight.shape if need_dgate_up else (0,)),
+        x_rows.new_empty(down_weight.shape if need_ddown else (0,)),
+    )
 
 
-experts_glu_backward = define(
-    "experts_glu_backward(Tensor da, Tensor x_rows, Tensor gate_up_weight, Tensor saved, "
-    "Tensor tiles, Tensor used_tiles, Tensor ends, str save, bool need_dx, bool need_dw) "
-    "-> (Tensor, Tensor)",
-    _experts_glu_backward,
-    _experts_glu_backward_fake,
+experts_backward = define(
+    "experts_backward(Tensor dy_rows, Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, "
+    "Tensor down_weight, Tensor saved, Tensor a, Tensor tiles, Tensor used_tiles, Tensor ends, str save, "
+    "bool need_dx, bool need_dw, bool need_dgate_up, bool need_ddown) -> (Tensor, Tensor, Tensor, Tensor)",
+    _experts_backward,
+    _experts_backward_fake,
 )
 
 
-@_on_tensor_device
-def _experts_glu_inference(x_rows, gate_up_weight, tiles, used_tiles):
-    a, _ = _experts_glu_forward(x_rows, gate_up_weight, tiles, used_tiles, "recompute")
-    return a
+def _experts_inference(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
+    y_rows, _, _ = _experts_forward(
+        x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, "recompute"
+    )
+    return y_rows
 
 
-def _experts_glu_inference_fake(x_rows, gate_up_weight, tiles, used_tiles):
-    return x_rows.new_empty(x_rows.shape[0], gate_up_weight.shape[1] // 2)
+def _experts_inference_fake(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
+    return x_rows.new_empty(x_rows.shape)
 
 
-experts_glu_inference = define(
-    "experts_glu_inference(Tensor x_rows, Tensor gate_up_weight, Tensor tiles, Tensor used_tiles) -> Tensor",
-    _experts_glu_inference,
-    _experts_glu_inference_fake,
+experts_inference = define(
+    "experts_inference(Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, Tensor down_weight, "
+    "Tensor tiles, Tensor used_tiles, Tensor ends) -> Tensor",
+    _experts_inference,
+    _experts_inference_fake,
 )

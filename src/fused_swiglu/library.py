@@ -25,8 +25,3 @@ def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"fused_swiglu::{name}", fake, lib=_LIB)
     return getattr(torch.ops.fused_swiglu, name).default
-
-
-def register_autograd(op: torch._ops.OpOverload, backward: Callable, setup_context: Callable) -> None:
-    """Gives ``op`` a backward (``torch.library.register_autograd``), registered with the namespace."""
-    torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_LIB)

@@ -3,7 +3,8 @@ weights and both expert weights), every implementation side by side in one proce
 
 * ``floor``: the six grouped GEMMs alone (``torch._grouped_mm`` on the slots sorted by expert, no
   padding, no SiLU, no gather or combine);
-* ``fused`` / ``fused-recompute``: ``SwiGLUExperts`` (``save="factors"`` / ``"recompute"``);
+* ``fused`` / ``fused-preact`` / ``fused-recompute``: ``SwiGLUExperts`` (``save="factors"`` /
+  ``"preact"`` / ``"recompute"``);
 * ``hf-eager``: transformers' expert module as it runs by default (expert by expert);
 * ``hf-grouped`` and ``hf-grouped-compiled``: the same module with transformers' ``grouped_mm``
   implementation (``torch._grouped_mm`` plus a separate SiLU-mul), eager and under ``torch.compile``;
@@ -32,7 +33,16 @@ EXPERT_SHAPES = {
     "olmoe-1b-7b": (2048, 1024, 64, 8),
 }
 ROUTINGS = ("balanced", "skewed")
-EXPERT_IMPLS = ("floor", "fused", "fused-recompute", "hf-eager", "hf-grouped", "hf-grouped-compiled", "liger")
+EXPERT_IMPLS = (
+    "floor",
+    "fused",
+    "fused-preact",
+    "fused-recompute",
+    "hf-eager",
+    "hf-grouped",
+    "hf-grouped-compiled",
+    "liger",
+)
 
 
 def routing(tokens: int, experts: int, top_k: int, kind: str, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +94,8 @@ def _module(impl, hidden, inter, experts, stock_gate_up, stock_down):
 
     if impl.startswith("fused"):
         source = _hf_module(hidden, inter, experts, "eager")
-        module = SwiGLUExperts(
-            experts, hidden, inter, save="recompute" if impl.endswith("recompute") else "factors"
-        )
+        save = {"fused": "factors", "fused-preact": "preact", "fused-recompute": "recompute"}[impl]
+        module = SwiGLUExperts(experts, hidden, inter, save=save)
     elif impl == "liger":
         from liger_kernel.transformers.swiglu import LigerExperts
 
