@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _report(label, _tile(cfg), seen[key], precision, SHARED_LIMIT[args.arch]):
             failed.append(label)
     # The routed experts' forward: the tile table and the masked stores of each group's last tile.
-    for name, save, bulk in itertools.product(args.shapes, (Saved.NOTHING, Saved.FACTORS), (True, False)):
+    for name, save, bulk in itertools.product(args.shapes, tuple(Saved), (True, False)):
         m, hidden, inter = SHAPES[name]
         rows = m if bulk else 1
         cfg, kernel = forward_kernel(
