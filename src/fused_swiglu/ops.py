@@ -132,11 +132,12 @@ def _mlp_backward(
 ):
     """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved``. ``after``
     is not read: it is what the op must run after (``SwiGLUMLPFunction.backward``)."""
-    if Saved.of(save) != Saved.NOTHING:
+    kind = Saved.of(save)
+    if kind != Saved.NOTHING:
         _overwrite_once(saved)
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(dy), tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), saved)
-    grads = mlp_backward_(*args, Saved.of(save), multipliers, needs, ("mlp", *_signature(*args)))
+    grads = mlp_backward_(*args, kind, multipliers, needs, ("mlp", *_signature(*args)))
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
@@ -213,12 +214,13 @@ swiglu_linear_forward = define(
 @_on_tensor_device
 def _linear_backward(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs):
     """dX, the packed dW_gate_up, dU and dV (empty where not needed); overwrites ``factors``."""
-    if Saved.of(save) != Saved.NOTHING:
+    kind = Saved.of(save)
+    if kind != Saved.NOTHING:
         _overwrite_once(factors)
     args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors)
     low_rank = _low_rank(u, v)
     key = ("glu", *_signature(*args, *(low_rank or ())))
-    grads = linear_backward_(*args, Saved.of(save), gate_multiplier, needs, key, low_rank)
+    grads = linear_backward_(*args, kind, gate_multiplier, needs, key, low_rank)
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
