@@ -325,6 +325,30 @@ def test_second_backward_is_refused_or_right(device):
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("retain", [False, True], ids=["freed", "retained"])
+def test_a_is_freed_before_the_gate_up_gradients(device, retain):
+    """Eagerly, the ``a`` kept with the factors is gone when the packed dW is made, as a compiled
+    backward frees it, unless the graph is retained."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
+    y = swiglu_experts(x, index, weights, gate_up.requires_grad_(), down, save="factors")
+    kept_a = weakref.ref(y.grad_fn.saved_tensors[-1])
+    alive = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.fused_swiglu.experts_backward_gate_up.default:
+                alive.append(kept_a() is not None)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        y.backward(dy, retain_graph=retain)
+    assert alive == [retain]
+
+
 @pytest.mark.parametrize(("save", "kept"), [("factors", 3), ("preact", 2), ("recompute", 0)])
 def test_activations_kept_per_routed_slot(device, save, kept):
     """Between forward and backward, beyond x, the weights and the routing: ``kept`` x intermediate
@@ -427,3 +451,66 @@ def test_row_dot_accumulates_in_fp32(device, size):
     got = row_dot(a, b)
     assert got.dtype == torch.float32 and got.shape == (size[0],)
     assert relative_error(got, (a.double() * b.double()).sum(-1)) < 1e-5
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize(
+    "size", [(1, 8, 1), (37, 24, 2), (19, 300, 8)], ids=lambda s: "T{}-H{}-k{}".format(*s)
+)
+def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype):
+    """The combine of y's and dX's rows: each token's k rows summed in fp32 and rounded once, as
+    accurate as eager PyTorch's gather-then-sum against float64; every output written."""
+    from fused_swiglu.kernels.combine import combine
+
+    tokens, hidden, k = size
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(tokens)
+    src = torch.randn(tokens * k + 3, hidden, generator=g).to(device=device, dtype=dtype)  # 3 rows unread
+    rows = torch.randperm(tokens * k + 3, generator=g)[: tokens * k].to(device=device, dtype=index_dtype)
+    got = combine(src, rows, k)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    want = src.double()[rows].view(tokens, k, hidden).sum(1)
+    eager = src[rows].view(tokens, k, hidden).sum(1)
+    assert relative_error(got, want) <= 2 * relative_error(eager, want) + 1e-7  # NaN fails
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_combine_op_passes_opcheck(device, k):
+    """Schema (no input changed), fake implementation and AOT dispatch of the combine op."""
+    from fused_swiglu.experts_ops import experts_combine
+
+    src = torch.randn(2 * 11 + 1, 24, device=device)
+    rows = torch.randperm(2 * 11 + 1, device=device)[: 11 * k]
+    results = torch.library.opcheck(experts_combine, (src, rows, k))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+@pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
+def test_ops_fake_implementations_match(device, save):
+    """The experts' forward and backward ops traced (fake tensors) give the shapes, dtypes and devices
+    of one real call, output by output (the backward overwrites what was kept: opcheck would flag it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fused_swiglu.experts_ops import experts_backward_down, experts_backward_gate_up, experts_forward
+
+    x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
+    routes = route(index, 4)
+    table = (routes.tiles, routes.used_tiles, routes.ends)
+    x_rows, w_rows = x[routes.sources // 2], weights.reshape(-1)[routes.sources]
+    y_rows, saved, a = experts_forward(x_rows, w_rows, gate_up, down, *table, save)
+    down_args = (dy[routes.sources // 2], x_rows, w_rows, gate_up, down, saved, a, *table, save, True, True)
+    real_down = experts_backward_down(*down_args)
+    grad = real_down[2] if save == "recompute" else saved
+    gate_up_args = (grad, x_rows, gate_up, routes.ends, real_down[0], True, True)
+    real_gate_up = experts_backward_gate_up(*gate_up_args)
+    calls = [(experts_forward, (x_rows, w_rows, gate_up, down, *table, save), (y_rows, saved, a))]
+    calls += [
+        (experts_backward_down, down_args, real_down),
+        (experts_backward_gate_up, gate_up_args, real_gate_up),
+    ]
+    for op, args, real in calls:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args])
+        for r, f in zip(real, fake, strict=True):
+            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device), op
+            assert r.numel() == 0 or torch.isfinite(r).all()

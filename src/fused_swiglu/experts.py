@@ -20,7 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts_ops import EXPERTS_SAVE_MODES, experts_backward, experts_forward, experts_inference
+from .experts_ops import (
+    EXPERTS_SAVE_MODES,
+    experts_backward_down,
+    experts_backward_gate_up,
+    experts_combine,
+    experts_forward,
+    experts_inference,
+)
 from .functional import _autocast, check_save_mode
 from .layout import CHUNK, check_intermediate_size
 from .ops import _refuse_double_backward, _saved_tensors
@@ -46,29 +53,32 @@ class RoutedExpertsFunction(torch.autograd.Function):
         y_rows, saved, a = experts_forward(x[token_of_row], slot_weights[sources], *weights, *table, save)
         ctx.save_for_backward(x, slot_weights, *weights, rows, sources, *table, saved, a)
         ctx.k, ctx.save = k, save
-        return _combine(y_rows, rows, k)
+        return experts_combine(y_rows, rows, k)
 
     @staticmethod
     def backward(ctx, dy):
         _refuse_double_backward()
         x, slot_weights, gate_up_weight, down_weight, rows, sources, *table, saved, a = _saved_tensors(ctx)
-        needs = ctx.needs_input_grad[:4]
+        if not torch.compiler.is_compiling():
+            # Eagerly, what was saved is freed as the two ops finish with it, as a compiled backward does.
+            ctx.maybe_clear_saved_tensors()  # only where the graph is not retained
+        need_dx, need_dw, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
         token_of_row = sources // ctx.k
-        rows_of = (dy[token_of_row], x[token_of_row], slot_weights[sources], gate_up_weight, down_weight)
-        grads = experts_backward(*rows_of, saved, a, *table, ctx.save, *needs)
-        dx_rows, dw_rows, dgate_up, ddown = (
-            g if need else None for g, need in zip(grads, needs, strict=True)
+        x_rows, w_rows = x[token_of_row], slot_weights[sources]
+        weights = (gate_up_weight, down_weight)
+        dw_rows, ddown, made = experts_backward_down(
+            dy[token_of_row], x_rows, w_rows, *weights, saved, a, *table, ctx.save, need_dw, need_ddown
         )
-        dx = None if dx_rows is None else _combine(dx_rows, rows, ctx.k)
-        dw = None if dw_rows is None else dw_rows[rows].to(slot_weights.dtype)  # back to slot order
-        return dx, dw, dgate_up, ddown, *(None,) * 7
-
-
-def _combine(rows_tensor: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """[P, H] grouped rows -> [T, H]: each token's ``k`` rows (``rows`` holds the row of each slot)
-    summed, gathered rather than added with atomics."""
-    picked = rows_tensor[rows]
-    return picked.view(-1, k, rows_tensor.shape[1]).sum(1) if k > 1 else picked
+        del a  # with dy's rows, freed before the packed dW is made
+        grad, ends = (made if ctx.save == "recompute" else saved), table[2]
+        del saved, made
+        dx_rows, dgate_up = experts_backward_gate_up(
+            grad, x_rows, gate_up_weight, ends, dw_rows, need_dx, need_dgate_up
+        )
+        del grad, x_rows
+        dx = experts_combine(dx_rows, rows, ctx.k) if need_dx else None
+        dw = dw_rows[rows].to(slot_weights.dtype) if need_dw else None  # back to slot order
+        return dx, dw, (dgate_up if need_dgate_up else None), (ddown if need_ddown else None), *(None,) * 7
 
 
 def _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> None:
@@ -153,7 +163,7 @@ def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: st
     y_rows = experts_inference(
         x[token_of_row], slot_weights[routes.sources], gate_up_weight, down_weight, *table
     )
-    return _combine(y_rows, routes.rows, k)
+    return experts_combine(y_rows, routes.rows, k)
 
 
 def reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> torch.Tensor:

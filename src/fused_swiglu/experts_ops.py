@@ -5,11 +5,14 @@ grouped by expert, one row per routed slot (routing.py):
   SwiGLU in its epilogue, then the routing weights on ``a`` and every expert's down projection as one
   grouped GEMM. Saved for the backward, per row: the factors and ``a`` (``"factors"``, 3I), the
   pre-activations (``"preact"``, 2I) or nothing (``"recompute"``);
-* backward: ``a`` again where it was not saved (from the pre-activations, or by the forward kernel
-  with the factors), the down projections' gradients as grouped GEMMs, the routing weights' gradient
-  as one row-dot pass (kernels/row_dot.py), the SwiGLU gradient in place over what was saved, then dX
+* backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
+  ``a`` again where it was not saved (from the pre-activations, or by the forward kernel with the
+  factors), the down projections' gradients as grouped GEMMs, the routing weights' gradient as one
+  row-dot pass (kernels/row_dot.py) and the SwiGLU gradient in place over what was saved; then dX
   and the packed dW as grouped GEMMs;
-* inference: the forward, nothing saved.
+* inference: the forward, nothing saved;
+* combine: each token's ``k`` rows summed into one (y's rows, dX's rows), in one pass
+  (kernels/combine.py).
 
 Where the fused kernels do not run (support.py: bf16 on CPU, other GPUs, float64, unaligned rows),
 the same ops compute the SwiGLU and its gradient in PyTorch beside the grouped GEMMs, and keep the
@@ -23,6 +26,7 @@ import itertools
 
 import torch
 
+from .kernels.combine import combine
 from .kernels.common import Saved, tma_ready
 from .kernels.glu_activation import glu_activation
 from .kernels.glu_forward import glu_forward
@@ -130,12 +134,25 @@ experts_forward = define(
 
 
 @_on_tensor_device
-def _experts_backward(
-    dy_rows, x_rows, w_rows, gate_up_weight, down_weight, saved, a, tiles, used_tiles, ends, save, *needs
+def _experts_backward_down(
+    dy_rows,
+    x_rows,
+    w_rows,
+    gate_up_weight,
+    down_weight,
+    saved,
+    a,
+    tiles,
+    used_tiles,
+    ends,
+    save,
+    need_dw,
+    need_ddown,
 ):
-    """dX_rows [P, H], the routing weights' gradient per row [P] (fp32 or wider), the packed dW
-    [E, 2I, H] and dW_down [E, H, I] (each empty where not needed); overwrites ``saved`` and ``a``."""
-    need_dx, need_dw, need_dgate_up, need_ddown = needs
+    """The backward of the down projections and the SwiGLU: the routing weights' gradient per row
+    [P] (fp32 or wider), dW_down [E, H, I] (each empty where not needed), and [dU | dG] [P, 2I]
+    over ``saved`` (overwritten; then the third output is empty) or, with ``"recompute"``, as the
+    third output. ``a`` is not read after this op, nor ``dy_rows``: the gate/up op runs without them."""
     x_rows, gate_up_weight, down_weight, fused = _prepared(x_rows, gate_up_weight, down_weight)
     if save == "recompute":
         a, saved = _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, "factors", fused)
@@ -153,30 +170,65 @@ def _experts_backward(
     ddown = _grouped_mm(dy_rows.t(), a.mul_(w_rows[:, None]), ends) if need_ddown else None
     del a
     grad = _swiglu_grad_(grad.mul_(w_rows[:, None]), saved, kind, fused)  # [dU | dG], over saved
-    dx = _grouped_mm(grad, gate_up_weight, ends) if need_dx else None
-    dgate_up = _grouped_mm(grad.t(), x_rows, ends) if need_dgate_up else None
-    return tuple(_empty_if_none(g, x_rows) for g in (dx, dw, dgate_up, ddown))
+    made = grad if save == "recompute" else None
+    return tuple(_empty_if_none(g, x_rows) for g in (dw, ddown, made))
 
 
-def _experts_backward_fake(
-    dy_rows, x_rows, w_rows, gate_up_weight, down_weight, saved, a, tiles, used_tiles, ends, save, *needs
+def _experts_backward_down_fake(
+    dy_rows,
+    x_rows,
+    w_rows,
+    gate_up_weight,
+    down_weight,
+    saved,
+    a,
+    tiles,
+    used_tiles,
+    ends,
+    save,
+    need_dw,
+    need_ddown,
 ):
-    need_dx, need_dw, need_dgate_up, need_ddown = needs
     wide = torch.promote_types(x_rows.dtype, torch.float32)
     return (
-        x_rows.new_empty(x_rows.shape if need_dx else (0,)),
         x_rows.new_empty((x_rows.shape[0],) if need_dw else (0,), dtype=wide),
-        x_rows.new_empty(gate_up_weight.shape if need_dgate_up else (0,)),
         x_rows.new_empty(down_weight.shape if need_ddown else (0,)),
+        x_rows.new_empty((x_rows.shape[0], gate_up_weight.shape[1]) if save == "recompute" else (0,)),
     )
 
 
-experts_backward = define(
-    "experts_backward(Tensor dy_rows, Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, "
+experts_backward_down = define(
+    "experts_backward_down(Tensor dy_rows, Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, "
     "Tensor down_weight, Tensor saved, Tensor a, Tensor tiles, Tensor used_tiles, Tensor ends, str save, "
-    "bool need_dx, bool need_dw, bool need_dgate_up, bool need_ddown) -> (Tensor, Tensor, Tensor, Tensor)",
-    _experts_backward,
-    _experts_backward_fake,
+    "bool need_dw, bool need_ddown) -> (Tensor, Tensor, Tensor)",
+    _experts_backward_down,
+    _experts_backward_down_fake,
+)
+
+
+@_on_tensor_device
+def _experts_backward_gate_up(grad, x_rows, gate_up_weight, ends, after, need_dx, need_dgate_up):
+    """dX_rows [P, H] and the packed dW [E, 2I, H] from [dU | dG] [P, 2I] (each empty where not
+    needed). ``after`` is not read: it is what the op must run after (``experts_backward_down``,
+    which wrote ``grad`` unless it made it)."""
+    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
+    dx = _grouped_mm(grad, gate_up_weight, ends) if need_dx else None
+    dgate_up = _grouped_mm(grad.t(), x_rows, ends) if need_dgate_up else None
+    return tuple(_empty_if_none(g, x_rows) for g in (dx, dgate_up))
+
+
+def _experts_backward_gate_up_fake(grad, x_rows, gate_up_weight, ends, after, need_dx, need_dgate_up):
+    return (
+        x_rows.new_empty(x_rows.shape if need_dx else (0,)),
+        x_rows.new_empty(gate_up_weight.shape if need_dgate_up else (0,)),
+    )
+
+
+experts_backward_gate_up = define(
+    "experts_backward_gate_up(Tensor grad, Tensor x_rows, Tensor gate_up_weight, Tensor ends, Tensor after, "
+    "bool need_dx, bool need_dgate_up) -> (Tensor, Tensor)",
+    _experts_backward_gate_up,
+    _experts_backward_gate_up_fake,
 )
 
 
@@ -196,4 +248,24 @@ experts_inference = define(
     "Tensor tiles, Tensor used_tiles, Tensor ends) -> Tensor",
     _experts_inference,
     _experts_inference_fake,
+)
+
+
+def _experts_combine(rows_tensor, rows, k):
+    """[P, H] grouped rows -> [T, H]: each token's ``k`` rows (``rows`` holds the row of each slot)
+    summed, gathered rather than added with atomics."""
+    if kernels_run_on(rows_tensor.dtype, rows_tensor.device):
+        return combine(rows_tensor.contiguous(), rows, k)
+    picked = rows_tensor[rows]
+    return picked.view(-1, k, rows_tensor.shape[1]).sum(1) if k > 1 else picked
+
+
+def _experts_combine_fake(rows_tensor, rows, k):
+    return rows_tensor.new_empty(rows.shape[0] // k, rows_tensor.shape[1])
+
+
+experts_combine = define(
+    "experts_combine(Tensor rows_tensor, Tensor rows, int k) -> Tensor",
+    _experts_combine,
+    _experts_combine_fake,
 )

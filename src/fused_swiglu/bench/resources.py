@@ -33,6 +33,8 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
+from ..kernels.combine import GPU_BLOCK as COMBINE_BLOCK
+from ..kernels.combine import _combine_kernel
 from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
@@ -288,6 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     tile, limit = "x".join(map(str, GPU_BLOCK)), SHARED_LIMIT[args.arch]
     if not _report("bfloat16 row dot (routed experts)", tile, resources(kernel), "tf32", limit):
         failed.append("row dot")
+    # The routed experts' combine of each token's rows, at every top-k the tests take.
+    for top_k in (1, 2, 8):
+        signature = {"src_ptr": "*bf16", "rows_ptr": "*i32", "out_ptr": "*bf16"}
+        signature |= dict.fromkeys(("T", "H", "stride_src", "stride_out"), "i32")
+        signature |= dict.fromkeys(("K", "BT", "BH"), "constexpr")
+        signature = {name: signature[name] for name in _combine_kernel.arg_names}
+        constants = {"K": top_k, "BT": COMBINE_BLOCK[0], "BH": COMBINE_BLOCK[1]}
+        source = ASTSource(_combine_kernel, signature, constants)
+        kernel = triton.compile(source, target=target, options={"num_warps": 4})
+        tile = "x".join(map(str, COMBINE_BLOCK))
+        if not _report(
+            f"bfloat16 combine top-{top_k} (routed experts)", tile, resources(kernel), "tf32", limit
+        ):
+            failed.append(f"combine top-{top_k}")
     # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
     for name, save in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):
         m, hidden, inter = SHAPES[name]
