@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..functional import DEFAULT_SAVE
-from .coldstart import cold_start_seconds
+from .coldstart import cold_start_seconds, experts_cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
 from .experts import EXPERT_IMPLS, EXPERT_SHAPES, ROUTINGS, experts_table, measure_experts
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cold-start",
         action="store_true",
-        help="also time a new shape's first call in fresh processes (empty, then warm kernel cache)",
+        help="also time a new shape's first call in fresh processes (empty, then warm kernel cache); "
+        "with --experts, each experts shape's",
     )
     parser.add_argument(
         "--host-time",
@@ -440,6 +441,26 @@ def run_experts(args: argparse.Namespace) -> int:
             lines += [experts_table(rows, True), ""]
             (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
             (out / "results.md").write_text(provenance_header(meta) + "\n\n" + "\n".join(lines))
+    if args.cold_start:
+        cold_start = {}
+        for name in args.experts or list(EXPERT_SHAPES):
+            cold, warm = experts_cold_start_seconds(
+                args.tokens, EXPERT_SHAPES[name], "factors", DTYPES[args.dtype]
+            )
+            cold_start[name] = {"empty_cache_s": cold, "warm_cache_s": warm}
+            print(
+                f"{name}: first call {cold:.2f} s with an empty Triton cache, {warm:.2f} s reusing it",
+                flush=True,
+            )
+        lines += ['## First call in a fresh process (training step, `save="factors"`)', ""]
+        lines += [
+            f"- {n}: {c['empty_cache_s']:.2f} s with an empty Triton cache, {c['warm_cache_s']:.2f} s in a "
+            "second process reusing it"
+            for n, c in cold_start.items()
+        ]
+        results_json = {"meta": meta, "results": results, "cold_start": cold_start}
+        (out / "results.json").write_text(json.dumps(results_json, indent=1))
+        (out / "results.md").write_text(provenance_header(meta) + "\n\n" + "\n".join(lines) + "\n")
     if not args.no_plots and results:
         write_plots(out, results)
     print(f"\nwrote {out}")
