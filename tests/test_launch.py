@@ -5,9 +5,12 @@ Most tests drive ``KernelLauncher`` with a stand-in kernel, so they run anywhere
 library's kernels on the GPU with every launch checked against Triton's own choice.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
+from triton.backends.nvidia import driver as nvidia_driver
 
 from fused_swiglu import swiglu_mlp
 from fused_swiglu.kernels import launch
@@ -188,8 +191,8 @@ def test_a_caller_key_skips_the_argument_key_on_later_calls(direct, monkeypatch)
     ptr = torch.zeros(8)
     launcher((3,), Tma(torch.zeros(40, 24), (16, 8)), ptr, 33, 0.5, caller_key="k", BLOCK=32, num_warps=4)
     built = []
-    real = launch._key_and_launch_arg
-    monkeypatch.setattr(launch, "_key_and_launch_arg", lambda a: built.append(a) or real(a))
+    real = launch._key_of
+    monkeypatch.setattr(launch, "_key_of", lambda a: built.append(a) or real(a))
     other = torch.ones(40, 24)
     launcher((3,), Tma(other, (16, 8)), ptr, 33, 0.5, caller_key="k", BLOCK=32, num_warps=4)
     assert built == [] and len(kernel.calls) == 1
@@ -210,6 +213,135 @@ def test_verify_catches_a_caller_key_coarser_than_triton(direct, monkeypatch):
     launcher((3,), Tma(t, (16, 8)), None, 17, 0.5, caller_key="k", BLOCK=32, num_warps=4)
     with pytest.raises(RuntimeError, match="the caller key misses something Triton specializes on"):
         launcher((3,), Tma(t, (16, 8)), None, 1, 0.5, caller_key="k", BLOCK=32, num_warps=4)
+
+
+class PythonLauncher(nvidia_driver.CudaLauncher):
+    """Triton's Python launcher, counting its calls."""
+
+    calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return super().__call__(*args)
+
+
+class TritonCompiled:
+    """A compiled kernel laid out as triton 3.6 lays one out: Triton's own Python launcher
+    (``CudaLauncher`` and the closure that expands descriptors) around a C launcher that records
+    its arguments."""
+
+    function = "function-handle"
+    packed_metadata = "packed-metadata"
+
+    def __init__(self, signature: dict, tensordesc_meta, scratch: int = 0):
+        self.src = SimpleNamespace(signature=signature)
+        self.metadata = SimpleNamespace(tensordesc_meta=tensordesc_meta)
+        self.c_calls = Recorder()
+        run = object.__new__(PythonLauncher)
+        run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
+        run.global_scratch_size, run.global_scratch_align = scratch, 128
+        run.profile_scratch_size, run.profile_scratch_align = 0, 1
+        run.launch = nvidia_driver.wrap_handle_tensordesc(
+            self.c_calls.append_args, signature, tensordesc_meta
+        )
+        self.run = run
+
+
+class Recorder(list):
+    def append_args(self, *args):
+        self.append(args)
+
+
+class TritonStandIn(StandIn):
+    """Compiles a ``TritonCompiled`` of the stand-in's signature per specialization."""
+
+    arg_names = ["desc", "ptr", "n", "scale", "BLOCK"]
+    signature = {
+        "desc": "tensordesc<fp32[16, 8]>",
+        "ptr": "*fp32",
+        "n": "i32",
+        "scale": "fp32",
+        "BLOCK": "constexpr",
+    }
+
+    def __init__(self, tensordesc_meta, scratch=0):
+        super().__init__(lambda args, kwargs: triton_like(args, kwargs))
+        self.make = lambda: TritonCompiled(self.signature, tensordesc_meta, scratch)
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.compiled.setdefault(self.specialize(args, kwargs), self.make())
+
+        return call
+
+
+META = [{"swizzle": 3, "elem_size": 4, "elem_type": 7, "block_size": [16, 8], "fp4_padded": False}]
+
+
+@pytest.fixture
+def encodes(monkeypatch):
+    """Triton's descriptor encoding replaced by a stand-in (the real one needs the CUDA driver),
+    for Triton's launcher and the direct launch alike; the list of encodings made."""
+    made = []
+
+    def encode(arg, meta):
+        if meta is None:
+            return [arg.base, *arg.shape, *arg.strides, False, *arg.shape, *arg.strides]
+        made.append((arg.base.data_ptr(), tuple(arg.shape)))
+        return [("tensor-map", arg.base.data_ptr(), tuple(arg.shape)), *arg.shape, *arg.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)
+    return made
+
+
+def triton_launch(compiled, grid, t, ptr, n, scale, tail):
+    """The arguments Triton's own launcher hands the C launcher for this call."""
+    before = len(compiled.c_calls)
+    compiled.run(*grid, 7, compiled.function, compiled.packed_metadata, None, None, None,
+                 launch._host_tma(t), ptr, n, scale, *tail)  # fmt: skip
+    return compiled.c_calls.pop(before)
+
+
+@pytest.mark.parametrize("meta", [META, None], ids=["tma", "no-tma-lowering"])
+def test_the_c_launcher_gets_what_tritons_launcher_gives_it(direct, encodes, meta):
+    kernel = TritonStandIn(meta)
+    launcher = KernelLauncher(kernel, Descriptor)
+    ptr = torch.zeros(8)
+    run(launcher, torch.zeros(40, 24), ptr, 33)
+    [compiled] = kernel.compiled.values()
+    for t in (torch.ones(56, 24), torch.ones(56, 24)[:40]):
+        python_launches = compiled.run.calls
+        run(launcher, t, ptr, 17)
+        assert compiled.run.calls == python_launches  # straight to the C launcher
+        direct_args = compiled.c_calls[-1]
+        assert direct_args == triton_launch(compiled, (3, 1, 1), t, ptr, 17, 0.5, (32,))
+    assert len(kernel.calls) == 1
+
+
+def test_a_descriptor_is_encoded_once_per_address_shape_and_strides(direct, encodes):
+    kernel = TritonStandIn(META)
+    launcher = KernelLauncher(kernel, Descriptor)
+    a, b = torch.zeros(40, 24), torch.zeros(40, 24)
+    run(launcher, a, None, 33)  # through Triton: nothing encoded here
+    for t in (a, a, b, a, a[:20], b):
+        run(launcher, t, None, 33)
+    assert encodes == [(a.data_ptr(), (40, 24)), (b.data_ptr(), (40, 24)), (a.data_ptr(), (20, 24))]
+    [compiled] = kernel.compiled.values()
+    assert [c[13][1] for c in compiled.c_calls] == [a.data_ptr(), a.data_ptr(), b.data_ptr(), a.data_ptr(),
+                                                    a.data_ptr(), b.data_ptr()]  # fmt: skip
+
+
+def test_a_kernel_with_scratch_memory_goes_through_tritons_launcher(direct, encodes, monkeypatch):
+    allocated = []
+    monkeypatch.setattr(
+        triton.runtime._allocation, "_allocator", SimpleNamespace(get=lambda: lambda *a: allocated.append(a))
+    )
+    kernel = TritonStandIn(META, scratch=64)
+    launcher = KernelLauncher(kernel, Descriptor)
+    for _ in range(2):
+        run(launcher, torch.zeros(40, 24), None, 33)
+    assert allocated == [(3 * 64, 128, 7)]
 
 
 @pytest.mark.gpu

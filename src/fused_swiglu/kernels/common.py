@@ -57,7 +57,7 @@ def next_power_of_2(n: int) -> int:
 
 def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """Every buffer a launcher hands to a kernel comes from here (tests poison it with NaN)."""
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return like.new_empty(shape)
 
 
 def gradient_target(saved: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:

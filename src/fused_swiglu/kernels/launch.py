@@ -12,9 +12,13 @@ must be at least as fine as Triton's own: two calls that Triton would compile di
 share one. With ``VERIFY`` set (the GPU tests set it), every call also goes through Triton, which
 must pick the compiled kernel the key points to.
 
-The direct launch uses Triton's internals (``CompiledKernel.run`` and its arguments), so it is used
-with triton 3.6 only, where it was built and tested. With other releases, under the interpreter, and
-while a launch hook is installed (a profiler), every call goes through ``kernel[grid]``.
+The direct launch calls the compiled kernel's C launcher itself, past Triton's Python wrappers around
+it, and encodes a host TMA descriptor once per tensor address, shape and strides (a descriptor is a
+function of them and the kernel's tile, so a reused one is the one Triton would encode; a training
+loop's caching allocator hands the same addresses back step after step). It uses Triton's internals
+(``CompiledKernel.run`` and the launcher's arguments), so it is used with triton 3.6 only, where it
+was built and tested. With other releases, under the interpreter, and while a launch hook is
+installed (a profiler), every call goes through ``kernel[grid]``.
 """
 
 from __future__ import annotations
@@ -51,14 +55,13 @@ class _HostTma(NamedTuple):
     padding: str = "zero"
 
 
-def _key_and_launch_arg(arg: Any) -> tuple[Any, Any]:
+def _key_of(arg: Any) -> Any:
     """What Triton's specialization can see of one runtime argument (and a little more: a finer key
-    only costs another first call), and the argument as the compiled kernel's launcher takes it.
-    One pass, since the host time of this is the point."""
+    only costs another first call)."""
     if isinstance(arg, Tma):
         t = arg.tensor
         shape, strides, size = t.shape, t.stride(), t.dtype.itemsize
-        key = (
+        return (
             "tma",
             t.device,
             t.dtype,
@@ -68,26 +71,26 @@ def _key_and_launch_arg(arg: Any) -> tuple[Any, Any]:
             strides[-1] == 1,
             min(shape) > 0,
         )
-        return key, _HostTma(t, list(shape), list(strides))
     if arg is None:
-        return None, None
+        return None
     if isinstance(arg, torch.Tensor):
-        return ("ptr", arg.device, arg.dtype, arg.data_ptr() % 16 == 0), arg
+        return ("ptr", arg.device, arg.dtype, arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool):
-        return ("bool", arg), arg
+        return ("bool", arg)
     if isinstance(arg, int):
-        return ("int", arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31), arg
+        return ("int", arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
     if isinstance(arg, float):
-        return "float", arg
+        return "float"
     raise TypeError(f"no launch key for a {type(arg).__name__} argument")
 
 
+def _host_tma(t: torch.Tensor) -> _HostTma:
+    return _HostTma(t, list(t.shape), list(t.stride()))
+
+
 def _launch_arg(arg: Any) -> Any:
-    """The argument as the compiled kernel's launcher takes it (``_key_and_launch_arg``'s second half)."""
-    if type(arg) is Tma:
-        t = arg.tensor
-        return _HostTma(t, list(t.shape), list(t.stride()))
-    return arg
+    """The argument as the compiled kernel's Python launcher takes it."""
+    return _host_tma(arg.tensor) if type(arg) is Tma else arg
 
 
 def _current_device() -> int:
@@ -103,6 +106,79 @@ def _hooks_installed() -> bool:
     return any(getattr(hook, "calls", hook) for hook in hooks)
 
 
+def _encode(host: _HostTma, meta: dict | None) -> list:
+    """A descriptor argument as the C launcher takes it (Triton's own expansion)."""
+    return _nvidia_driver().make_tensordesc_arg(host, meta)
+
+
+def _nvidia_driver():
+    from triton.backends.nvidia import driver  # imported on first use: only the direct launch needs it
+
+    return driver
+
+
+class _Descriptor:
+    """One descriptor parameter of a compiled kernel: its expansion for the C launcher, kept per
+    tensor address, shape and strides where it holds an encoded descriptor (nothing of the tensor)."""
+
+    CACHED = 512  # expansions kept per parameter; then the cache starts over
+
+    def __init__(self, meta: dict | None):
+        self.meta = meta
+        self.expanded: dict[tuple, tuple] = {}
+
+    def expand(self, t: torch.Tensor) -> tuple:
+        if self.meta is None:  # not lowered to a TMA descriptor: the expansion holds the tensor itself
+            return tuple(_encode(_host_tma(t), None))
+        key = (t.data_ptr(), t.shape, t.stride())
+        found = self.expanded.get(key)
+        if found is None:
+            if len(self.expanded) >= self.CACHED:
+                self.expanded.clear()
+            if t.is_cuda:
+                bind_cuda_context(t.device)  # the encoding calls the driver: a context must be current
+            found = self.expanded[key] = tuple(_encode(_host_tma(t), self.meta))
+        return found
+
+
+class _Entry(NamedTuple):
+    """A compiled kernel of one launch key and how it is launched directly."""
+
+    compiled: Any
+    tail: tuple  # the constexpr arguments after the runtime ones, in the kernel's order
+    launch: Callable | None  # the C launcher, or None: through ``compiled.run``
+    head: tuple  # the C launcher's arguments between the function and the kernel's
+    descriptors: tuple  # per runtime argument: a _Descriptor, or None where it is not one
+
+
+def _c_launcher(compiled, runtime_args: int) -> tuple[Callable, tuple, tuple] | None:
+    """(the C launcher, the arguments it takes before the kernel's, a _Descriptor or None per runtime
+    argument) of a compiled Triton 3.6 kernel, or None where its launch needs Triton's Python
+    launcher (scratch memory to allocate) or is not laid out as expected."""
+    try:
+        run = compiled.run
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        types = list(compiled.src.signature.values())
+        metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or ())
+        descriptors = [
+            _Descriptor(next(metas, None)) if isinstance(t, str) and t.startswith("tensordesc") else None
+            for t in types
+        ]
+        launch = run.launch
+        if any(descriptors):
+            # Triton wraps the C launcher in a closure that expands each descriptor on every call.
+            cells = dict(zip(launch.__code__.co_freevars, launch.__closure__ or (), strict=True))
+            launch = cells["launcher"].cell_contents
+        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if any(descriptors[runtime_args:]) or len(descriptors) < runtime_args:
+        return None
+    # launch metadata and the two hooks: read by launch hooks only, and none is installed
+    return launch, (*head, None, None, None), tuple(descriptors[:runtime_args])
+
+
 class KernelLauncher:
     """Launches one Triton or Gluon kernel; ``make_descriptor(tensor, block)`` builds the host
     descriptor class it takes for ``Tma`` arguments (Triton's or Gluon's)."""
@@ -110,10 +186,9 @@ class KernelLauncher:
     def __init__(self, kernel, make_descriptor: Callable[[torch.Tensor, list[int]], Any] | None = None):
         self._kernel = kernel
         self._make_descriptor = make_descriptor
-        # launch key -> (compiled kernel, the constexpr arguments after the runtime ones, in order)
-        self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+        self._compiled: dict[tuple, _Entry] = {}  # launch key -> entry
         # (device, runtime switches, caller key, constexprs) -> the same entries
-        self._by_caller_key: dict[tuple, tuple[Any, tuple]] = {}
+        self._by_caller_key: dict[tuple, _Entry] = {}
 
     def _through_triton(self, grid: tuple[int, ...], args: tuple, constexprs: dict):
         real = [self._make_descriptor(a.tensor, list(a.block)) if isinstance(a, Tma) else a for a in args]
@@ -137,10 +212,9 @@ class KernelLauncher:
         fast_key = None if caller_key is None else (device, runtime, caller_key, tuple(constexprs.items()))
         entry = None if fast_key is None or VERIFY else self._by_caller_key.get(fast_key)
         if entry is not None:
-            self._run(entry, grid, device, [_launch_arg(a) for a in args])
+            self._run(entry, grid, device, args)
             return
-        keys, launch_args = zip(*map(_key_and_launch_arg, args), strict=True) if args else ((), ())
-        key = (device, runtime, keys, tuple(constexprs.items()))
+        key = (device, runtime, tuple(map(_key_of, args)), tuple(constexprs.items()))
         entry = self._compiled.get(key)
         if entry is None or VERIFY:
             compiled = self._through_triton(grid, args, constexprs)
@@ -149,8 +223,11 @@ class KernelLauncher:
                 missing = [n for n in names if n not in constexprs]
                 if missing:
                     raise TypeError(f"{self._kernel.__name__} launched without {missing}")
-                entry = self._compiled[key] = (compiled, tuple(constexprs[n] for n in names))
-            elif compiled is not entry[0]:
+                tail = tuple(constexprs[n] for n in names)
+                direct = _c_launcher(compiled, len(args))
+                entry = _Entry(compiled, tail, *(direct or (None, (), ())))
+                self._compiled[key] = entry
+            elif compiled is not entry.compiled:
                 raise RuntimeError(
                     f"{self._kernel.__name__}: Triton compiled this call differently from an earlier one "
                     "with the same launch key; the key misses something Triton specializes on"
@@ -158,7 +235,7 @@ class KernelLauncher:
             self._remember(fast_key, entry)
             return
         self._remember(fast_key, entry)
-        self._run(entry, grid, device, launch_args)
+        self._run(entry, grid, device, args)
 
     def _remember(self, fast_key, entry) -> None:
         if fast_key is None:
@@ -170,25 +247,28 @@ class KernelLauncher:
                 "kernels; the caller key misses something Triton specializes on"
             )
 
-    def _run(self, entry, grid: tuple[int, ...], device: int, launch_args) -> None:
-        compiled, tail = entry
-        for a in launch_args:
-            if isinstance(a, _HostTma) and a.base.is_cuda:
-                # The launcher encodes the descriptors through the driver: a context must be current.
-                bind_cuda_context(a.base.device)
-                break
+    def _run(self, entry: _Entry, grid: tuple[int, ...], device: int, args: tuple) -> None:
         grid3 = (*grid, 1, 1)[:3]
-        compiled.run(
-            *grid3,
-            _current_stream(device),
-            compiled.function,
-            compiled.packed_metadata,
-            None,  # launch metadata: only read by launch hooks, and none is installed
-            None,
-            None,
-            *launch_args,
-            *tail,
-        )
+        stream = _current_stream(device)
+        compiled = entry.compiled
+        if entry.launch is None:
+            host_args = [_launch_arg(a) for a in args]
+            for a in host_args:
+                if isinstance(a, _HostTma) and a.base.is_cuda:
+                    # The launcher encodes the descriptors through the driver: a context must be current.
+                    bind_cuda_context(a.base.device)
+                    break
+            # launch metadata and hooks: read by launch hooks only, and none is installed
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *host_args, *entry.tail)  # fmt: skip
+            return
+        flat = []
+        for descriptor, a in zip(entry.descriptors, args, strict=True):
+            if descriptor is None:
+                flat.append(a)
+            else:
+                flat.extend(descriptor.expand(a.tensor))
+        entry.launch(*grid3, stream, compiled.function, *entry.head, *flat, *entry.tail)
 
 
 __all__ = ["DIRECT", "VERIFY", "KernelLauncher", "Tma"]
