@@ -349,6 +349,32 @@ def test_a_is_freed_before_the_gate_up_gradients(device, retain):
     assert alive == [retain]
 
 
+@pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
+def test_x_rows_are_freed_before_dx_rows_are_made(device, save, monkeypatch):
+    """The backward's two [slots, H] tensors, x's rows (for the packed dW) and dX's rows, are never
+    alive together: x's rows are gone when the grouped GEMM making dX's rows runs."""
+    import weakref
+
+    from fused_swiglu import experts_ops
+
+    hidden, inter = 48, 16  # x's rows [P, 48], dy's rows [P, 48], [dU | dG] [P, 32]: told apart by width
+    x, index, weights, gate_up, down, dy = problem(21, hidden, inter, 4, 2, device)
+    x_rows, alive_at_dx = [], []
+    real = experts_ops._grouped_mm
+
+    def spy(a, b, ends):
+        if b.dim() == 2 and b.shape[1] == hidden:  # grad^T @ x's rows: the packed dW
+            x_rows.append(weakref.ref(b))
+        if b.dim() == 3 and a.shape[1] == 2 * inter:  # [dU | dG] @ W: dX's rows
+            alive_at_dx.append([ref() is not None for ref in x_rows])
+        return real(a, b, ends)
+
+    monkeypatch.setattr(experts_ops, "_grouped_mm", spy)
+    y = swiglu_experts(x.requires_grad_(), index, weights, gate_up.requires_grad_(), down, save=save)
+    y.backward(dy)
+    assert len(x_rows) == 1 and alive_at_dx == [[False]]
+
+
 @pytest.mark.parametrize(("save", "kept"), [("factors", 3), ("preact", 2), ("recompute", 0)])
 def test_activations_kept_per_routed_slot(device, save, kept):
     """Between forward and backward, beyond x, the weights and the routing: ``kept`` x intermediate
@@ -496,12 +522,13 @@ def test_ops_fake_implementations_match(device, save):
     x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
     routes = route(index, 4)
     table = (routes.tiles, routes.used_tiles, routes.ends)
-    x_rows, w_rows = x[routes.sources // 2], weights.reshape(-1)[routes.sources]
+    token_of_row = routes.sources // 2
+    x_rows, w_rows = x[token_of_row], weights.reshape(-1)[routes.sources]
     y_rows, saved, a = experts_forward(x_rows, w_rows, gate_up, down, *table, save)
-    down_args = (dy[routes.sources // 2], x_rows, w_rows, gate_up, down, saved, a, *table, save, True, True)
+    down_args = (dy[token_of_row], x, token_of_row, w_rows, gate_up, down, saved, a, *table, save, True, True)
     real_down = experts_backward_down(*down_args)
     grad = real_down[2] if save == "recompute" else saved
-    gate_up_args = (grad, x_rows, gate_up, routes.ends, real_down[0], True, True)
+    gate_up_args = (grad, x, token_of_row, gate_up, routes.ends, real_down[0], True, True)
     real_gate_up = experts_backward_gate_up(*gate_up_args)
     calls = [(experts_forward, (x_rows, w_rows, gate_up, down, *table, save), (y_rows, saved, a))]
     calls += [

@@ -63,19 +63,28 @@ class RoutedExpertsFunction(torch.autograd.Function):
             # Eagerly, what was saved is freed as the two ops finish with it, as a compiled backward does.
             ctx.maybe_clear_saved_tensors()  # only where the graph is not retained
         need_dx, need_dw, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
-        token_of_row = sources // ctx.k
-        x_rows, w_rows = x[token_of_row], slot_weights[sources]
+        token_of_row, w_rows = sources // ctx.k, slot_weights[sources]
         weights = (gate_up_weight, down_weight)
         dw_rows, ddown, made = experts_backward_down(
-            dy[token_of_row], x_rows, w_rows, *weights, saved, a, *table, ctx.save, need_dw, need_ddown
+            dy[token_of_row],
+            x,
+            token_of_row,
+            w_rows,
+            *weights,
+            saved,
+            a,
+            *table,
+            ctx.save,
+            need_dw,
+            need_ddown,
         )
         del a  # with dy's rows, freed before the packed dW is made
         grad, ends = (made if ctx.save == "recompute" else saved), table[2]
         del saved, made
         dx_rows, dgate_up = experts_backward_gate_up(
-            grad, x_rows, gate_up_weight, ends, dw_rows, need_dx, need_dgate_up
+            grad, x, token_of_row, gate_up_weight, ends, dw_rows, need_dx, need_dgate_up
         )
-        del grad, x_rows
+        del grad
         dx = experts_combine(dx_rows, rows, ctx.k) if need_dx else None
         dw = dw_rows[rows].to(slot_weights.dtype) if need_dw else None  # back to slot order
         return dx, dw, (dgate_up if need_dgate_up else None), (ddown if need_ddown else None), *(None,) * 7

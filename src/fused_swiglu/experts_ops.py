@@ -8,8 +8,9 @@ grouped by expert, one row per routed slot (routing.py):
 * backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
   ``a`` again where it was not saved (from the pre-activations, or by the forward kernel with the
   factors), the down projections' gradients as grouped GEMMs, the routing weights' gradient as one
-  row-dot pass (kernels/row_dot.py) and the SwiGLU gradient in place over what was saved; then dX
-  and the packed dW as grouped GEMMs;
+  row-dot pass (kernels/row_dot.py) and the SwiGLU gradient in place over what was saved; then the
+  packed dW and dX's rows as grouped GEMMs, x's rows gathered again for dW and freed before dX's
+  rows are made (the backward ops take x and each row's token, not x's rows);
 * inference: the forward, nothing saved;
 * combine: each token's ``k`` rows summed into one (y's rows, dX's rows), in one pass
   (kernels/combine.py).
@@ -136,7 +137,8 @@ experts_forward = define(
 @_on_tensor_device
 def _experts_backward_down(
     dy_rows,
-    x_rows,
+    x,
+    token_of_row,
     w_rows,
     gate_up_weight,
     down_weight,
@@ -152,10 +154,14 @@ def _experts_backward_down(
     """The backward of the down projections and the SwiGLU: the routing weights' gradient per row
     [P] (fp32 or wider), dW_down [E, H, I] (each empty where not needed), and [dU | dG] [P, 2I]
     over ``saved`` (overwritten; then the third output is empty) or, with ``"recompute"``, as the
-    third output. ``a`` is not read after this op, nor ``dy_rows``: the gate/up op runs without them."""
-    x_rows, gate_up_weight, down_weight, fused = _prepared(x_rows, gate_up_weight, down_weight)
+    third output. ``a`` is not read after this op, nor ``dy_rows``: the gate/up op runs without them.
+    Row p is token ``token_of_row[p]``'s; x's rows are gathered only to recompute the forward."""
+    gate_up_weight, down_weight = gate_up_weight.contiguous(), down_weight.contiguous()
+    fused = fused_path_available(x, gate_up_weight[0])  # as for the forward's x rows: same dtype and width
     if save == "recompute":
+        x_rows = tma_ready(x[token_of_row])
         a, saved = _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, "factors", fused)
+        del x_rows
     else:
         _overwrite_once(saved)
         if save == "factors":
@@ -171,12 +177,13 @@ def _experts_backward_down(
     del a
     grad = _swiglu_grad_(grad.mul_(w_rows[:, None]), saved, kind, fused)  # [dU | dG], over saved
     made = grad if save == "recompute" else None
-    return tuple(_empty_if_none(g, x_rows) for g in (dw, ddown, made))
+    return tuple(_empty_if_none(g, x) for g in (dw, ddown, made))
 
 
 def _experts_backward_down_fake(
     dy_rows,
-    x_rows,
+    x,
+    token_of_row,
     w_rows,
     gate_up_weight,
     down_weight,
@@ -189,44 +196,51 @@ def _experts_backward_down_fake(
     need_dw,
     need_ddown,
 ):
-    wide = torch.promote_types(x_rows.dtype, torch.float32)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    rows = token_of_row.shape[0]
     return (
-        x_rows.new_empty((x_rows.shape[0],) if need_dw else (0,), dtype=wide),
-        x_rows.new_empty(down_weight.shape if need_ddown else (0,)),
-        x_rows.new_empty((x_rows.shape[0], gate_up_weight.shape[1]) if save == "recompute" else (0,)),
+        x.new_empty((rows,) if need_dw else (0,), dtype=wide),
+        x.new_empty(down_weight.shape if need_ddown else (0,)),
+        x.new_empty((rows, gate_up_weight.shape[1]) if save == "recompute" else (0,)),
     )
 
 
 experts_backward_down = define(
-    "experts_backward_down(Tensor dy_rows, Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, "
-    "Tensor down_weight, Tensor saved, Tensor a, Tensor tiles, Tensor used_tiles, Tensor ends, str save, "
-    "bool need_dw, bool need_ddown) -> (Tensor, Tensor, Tensor)",
+    "experts_backward_down(Tensor dy_rows, Tensor x, Tensor token_of_row, Tensor w_rows, "
+    "Tensor gate_up_weight, Tensor down_weight, Tensor saved, Tensor a, Tensor tiles, Tensor used_tiles, "
+    "Tensor ends, str save, bool need_dw, bool need_ddown) -> (Tensor, Tensor, Tensor)",
     _experts_backward_down,
     _experts_backward_down_fake,
 )
 
 
 @_on_tensor_device
-def _experts_backward_gate_up(grad, x_rows, gate_up_weight, ends, after, need_dx, need_dgate_up):
+def _experts_backward_gate_up(grad, x, token_of_row, gate_up_weight, ends, after, need_dx, need_dgate_up):
     """dX_rows [P, H] and the packed dW [E, 2I, H] from [dU | dG] [P, 2I] (each empty where not
-    needed). ``after`` is not read: it is what the op must run after (``experts_backward_down``,
-    which wrote ``grad`` unless it made it)."""
-    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    dx = _grouped_mm(grad, gate_up_weight, ends) if need_dx else None
-    dgate_up = _grouped_mm(grad.t(), x_rows, ends) if need_dgate_up else None
-    return tuple(_empty_if_none(g, x_rows) for g in (dx, dgate_up))
+    needed). x's rows are gathered here for dW and freed before dX's rows are made, so that the
+    two [P, H] tensors are never alive together. ``after`` is not read: it is what the op must run
+    after (``experts_backward_down``, which wrote ``grad`` unless it made it)."""
+    dgate_up = None
+    if need_dgate_up:
+        x_rows = tma_ready(x[token_of_row])
+        dgate_up = _grouped_mm(grad.t(), x_rows, ends)
+        del x_rows
+    dx = _grouped_mm(grad, gate_up_weight.contiguous(), ends) if need_dx else None
+    return tuple(_empty_if_none(g, x) for g in (dx, dgate_up))
 
 
-def _experts_backward_gate_up_fake(grad, x_rows, gate_up_weight, ends, after, need_dx, need_dgate_up):
+def _experts_backward_gate_up_fake(
+    grad, x, token_of_row, gate_up_weight, ends, after, need_dx, need_dgate_up
+):
     return (
-        x_rows.new_empty(x_rows.shape if need_dx else (0,)),
-        x_rows.new_empty(gate_up_weight.shape if need_dgate_up else (0,)),
+        x.new_empty((token_of_row.shape[0], x.shape[1]) if need_dx else (0,)),
+        x.new_empty(gate_up_weight.shape if need_dgate_up else (0,)),
     )
 
 
 experts_backward_gate_up = define(
-    "experts_backward_gate_up(Tensor grad, Tensor x_rows, Tensor gate_up_weight, Tensor ends, Tensor after, "
-    "bool need_dx, bool need_dgate_up) -> (Tensor, Tensor)",
+    "experts_backward_gate_up(Tensor grad, Tensor x, Tensor token_of_row, Tensor gate_up_weight, "
+    "Tensor ends, Tensor after, bool need_dx, bool need_dgate_up) -> (Tensor, Tensor)",
     _experts_backward_gate_up,
     _experts_backward_gate_up_fake,
 )
