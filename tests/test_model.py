@@ -75,8 +75,20 @@ def test_moe_model_compiles_to_one_graph_and_trains_like_stock(device):
     fused = run_variant(RunSpec("fused-compiled", backend="eager", **common, **moe))
     assert (fused["graphs"], fused["graph_breaks"], fused["recompiles"]) == (1, 0, 0)
     stock = run_variant(RunSpec("stock-eager", **common, **moe))
-    for got, want in zip(fused["losses"], stock["losses"], strict=True):
-        assert abs(got - want) <= 1e-4 * abs(want)
+    grouped = run_variant(RunSpec("stock-grouped-compiled", backend="eager", **common, **moe))
+    assert (grouped["graphs"], grouped["graph_breaks"]) == (1, 0)  # transformers' grouped_mm experts
+    for run in (fused, grouped):
+        for got, want in zip(run["losses"], stock["losses"], strict=True):
+            assert abs(got - want) <= 1e-4 * abs(want)
+
+
+def test_grouped_experts_variant_needs_a_moe_model():
+    from fused_swiglu.cli import main
+
+    with pytest.raises(ValueError, match="needs --moe"):
+        run_variant(RunSpec("stock-grouped-compiled", layers=1, precision="fp32", steps=1, **TINY))
+    args = ["bench", "--model-size", "64", "128", "1", "32", "--variants", "stock-grouped-compiled"]
+    assert main([*args, "--device", "cpu"]) == 2
 
 
 def test_host_profile_names_the_fused_ops(device):

@@ -40,7 +40,9 @@ VARIANTS = (
     "fused-compiled-preact",
     "fused-compiled-recompute",
 )
-EXTRA_VARIANTS = ("stock-compiled-ro", "fused-compiled-ro", "liger-compiled-ro")
+EXTRA_VARIANTS = ("stock-compiled-ro", "fused-compiled-ro", "liger-compiled-ro", "stock-grouped-compiled")
+#: With --moe only: transformers' ``grouped_mm`` experts implementation, the stronger stock baseline.
+GROUPED_VARIANTS = ("stock-grouped-compiled",)
 PRECISIONS = ("autocast", "bf16", "fp32")
 LOSS_STEPS = 3  # the first steps' losses, compared with stock eager's
 HOST_PROFILE_TOP = 15  # operators listed per run by --host-profile
@@ -84,11 +86,15 @@ def _config(spec: RunSpec):
         "attn_implementation": "sdpa",
     }
     if not spec.experts:
+        if spec.variant in GROUPED_VARIANTS:
+            raise ValueError(f"{spec.variant} runs transformers' grouped experts: it needs --moe")
         return LlamaConfig(**common)
     # Every layer routed: the experts are the MLP.
     moe = {"moe_intermediate_size": spec.intermediate, "num_experts": spec.experts, "mlp_only_layers": []}
     config = Qwen3MoeConfig(**common, **moe, decoder_sparse_step=1)
     config.num_experts_per_tok = spec.top_k
+    if spec.variant in GROUPED_VARIANTS:
+        config._experts_implementation = "grouped_mm"  # else transformers' default loop over the experts
     return config
 
 

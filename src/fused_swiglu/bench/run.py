@@ -16,7 +16,16 @@ from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .host import measure_host_time
 from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
-from .model import EXTRA_VARIANTS, MODEL_SIZES, PRECISIONS, VARIANTS, model_table, plot_model, run_model_bench
+from .model import (
+    EXTRA_VARIANTS,
+    GROUPED_VARIANTS,
+    MODEL_SIZES,
+    PRECISIONS,
+    VARIANTS,
+    model_table,
+    plot_model,
+    run_model_bench,
+)
 from .report import provenance, provenance_header, shape_table, write_json, write_markdown, write_plots
 
 #: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs: docs/design/kernel-choice.md).
@@ -349,6 +358,10 @@ def run_model(args: argparse.Namespace) -> int:
     """``bench --model``: whole models, every variant in a fresh process; a table, JSON, Markdown, PNG."""
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench --model needs a CUDA GPU (or --device cpu for a smoke run under the Triton interpreter)")
+        return 2
+    grouped = [v for v in args.variants if v in GROUPED_VARIANTS]
+    if grouped and not args.moe:
+        print(f"{', '.join(grouped)}: transformers' grouped experts, for --moe models only")
         return 2
     sizes = {name: MODEL_SIZES[name] for name in (args.model or ([] if args.model_size else MODEL_SIZES))}
     sizes |= {f"{h}/{i}x{n}-{t}": (h, i, n, t) for h, i, n, t in args.model_size}
