@@ -5,6 +5,7 @@ Most tests drive ``KernelLauncher`` with a stand-in kernel, so they run anywhere
 library's kernels on the GPU with every launch checked against Triton's own choice.
 """
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -369,6 +370,10 @@ def test_library_launches_agree_with_triton_on_the_gpu(device, save, monkeypatch
     verified = results()  # every launch both cached and confirmed by Triton
     monkeypatch.setattr(launch, "VERIFY", False)
     direct = results()
+    ours = [o for o in gc.get_objects() if isinstance(o, KernelLauncher)]
+    ours = [o for o in ours if getattr(o._kernel, "__module__", "").startswith("fused_swiglu.")]
+    entries = [e for o in ours for e in o._compiled.values()]
+    assert entries and all(e.launch is not None for e in entries), "every kernel launched by its C launcher"
     for a, b in zip(verified, direct, strict=True):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
