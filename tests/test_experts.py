@@ -467,16 +467,22 @@ def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
 
 
 @pytest.mark.parametrize("size", [(1, 8), (37, 24), (130, 300)], ids=lambda s: f"M{s[0]}-N{s[1]}")
-def test_row_dot_accumulates_in_fp32(device, size):
-    """The routing weights' gradient: row-wise dot products in one pass, fp32 sums of exact products."""
-    from fused_swiglu.kernels.row_dot import row_dot
+def test_row_dot_accumulates_in_fp32_then_scales(device, size):
+    """The routing weights' gradient: row-wise dot products in one pass, fp32 sums of exact products
+    of the operands as given; then both operands scaled row by row, rounded as ``Tensor.mul_`` rounds."""
+    from fused_swiglu.kernels.row_dot import row_dot_and_scale_
 
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(size[0])
-    a, b = (torch.randn(*size, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    got = row_dot(a, b)
+    a, b, scale = (
+        torch.randn(*s, generator=g).to(device=device, dtype=dtype) for s in (size, size, size[:1])
+    )
+    want_dot = (a.double() * b.double()).sum(-1)
+    want_a, want_b = a * scale[:, None], b * scale[:, None]
+    got = row_dot_and_scale_(a, b, scale)
     assert got.dtype == torch.float32 and got.shape == (size[0],)
-    assert relative_error(got, (a.double() * b.double()).sum(-1)) < 1e-5
+    assert relative_error(got, want_dot) < 1e-5
+    assert torch.equal(a, want_a) and torch.equal(b, want_b)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])

@@ -25,6 +25,6 @@ def test_chosen_configs_fit_an_sm90_block():
     assert "float32/tf32x3 forward FACTORS" in done.stdout
     # The routed experts' forward, with the masked stores of a group's cut tile.
     assert "bfloat16 forward FACTORS (routed experts)" in done.stdout
-    assert "bfloat16 row dot (routed experts)" in done.stdout
+    assert "bfloat16 row dot and scale (routed experts)" in done.stdout
     # The Gluon backward, compiled with its register split between loaders and consumers.
     assert "bfloat16 backward FACTORS (warp-specialized)" in done.stdout

@@ -8,9 +8,10 @@ grouped by expert, one row per routed slot (routing.py):
 * backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
   ``a`` again where it was not saved (from the pre-activations, or by the forward kernel with the
   factors), the down projections' gradients as grouped GEMMs, the routing weights' gradient as one
-  row-dot pass (kernels/row_dot.py) and the SwiGLU gradient in place over what was saved; then the
-  packed dW and dX's rows as grouped GEMMs, x's rows gathered again for dW and freed before dX's
-  rows are made (the backward ops take x and each row's token, not x's rows);
+  row-dot pass that also applies the routing weights to both its operands (kernels/row_dot.py) and
+  the SwiGLU gradient in place over what was saved; then the packed dW and dX's rows as grouped
+  GEMMs, x's rows gathered again for dW and freed before dX's rows are made (the backward ops take
+  x and each row's token, not x's rows);
 * inference: the forward, nothing saved;
 * combine: each token's ``k`` rows summed into one (y's rows, dX's rows), in one pass
   (kernels/combine.py).
@@ -32,7 +33,7 @@ from .kernels.common import Saved, tma_ready
 from .kernels.glu_activation import glu_activation
 from .kernels.glu_forward import glu_forward
 from .kernels.glu_grad import glu_grad_
-from .kernels.row_dot import row_dot
+from .kernels.row_dot import row_dot_and_scale_
 from .layout import CHUNK, split_packed_columns
 from .library import define
 from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
@@ -60,13 +61,17 @@ def _grouped_gemm_hardware(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _row_dot(a, b):
-    """Row-wise ``(a * b).sum(-1)``, accumulated in fp32 or wider: the kernel where it runs, else in
-    PyTorch on fp32 copies (float64 stays float64)."""
-    if kernels_run_on(a.dtype, a.device):
-        return row_dot(a.contiguous(), b.contiguous())
+def _row_dot_and_scale_(a, b, scale):
+    """Row-wise ``(a * b).sum(-1)``, accumulated in fp32 or wider, then ``a`` and ``b`` times ``scale``
+    row by row in place: one kernel pass where it runs, else in PyTorch on fp32 copies (float64
+    stays float64)."""
+    if kernels_run_on(a.dtype, a.device) and a.stride(-1) == 1 and b.stride(-1) == 1:
+        return row_dot_and_scale_(a, b, scale.to(a.dtype).contiguous())
     wide = torch.promote_types(a.dtype, torch.float32)
-    return torch.linalg.vecdot(a.to(wide), b.to(wide))
+    dot = torch.linalg.vecdot(a.to(wide), b.to(wide))
+    a.mul_(scale[:, None])
+    b.mul_(scale[:, None])
+    return dot
 
 
 def _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save: str, fused: bool):
@@ -171,11 +176,16 @@ def _experts_backward_down(
     kind = Saved.FACTORS if fused and save != "preact" else Saved.PREACT
     dy_rows = dy_rows.contiguous()
     grad = _grouped_mm(dy_rows, down_weight, ends)  # of a * w
-    dw = _row_dot(grad, a) if need_dw else None
-    # a's last use: a * w in place, then the gradient of a over the gradient of a * w.
-    ddown = _grouped_mm(dy_rows.t(), a.mul_(w_rows[:, None]), ends) if need_ddown else None
+    # Then a * w in place (a's last use), and the gradient of a over the gradient of a * w.
+    if need_dw:
+        dw = _row_dot_and_scale_(grad, a, w_rows)  # the routing weights' gradient in the same pass
+    else:
+        dw = None
+        grad.mul_(w_rows[:, None])
+        a.mul_(w_rows[:, None])
+    ddown = _grouped_mm(dy_rows.t(), a, ends) if need_ddown else None
     del a
-    grad = _swiglu_grad_(grad.mul_(w_rows[:, None]), saved, kind, fused)  # [dU | dG], over saved
+    grad = _swiglu_grad_(grad, saved, kind, fused)  # [dU | dG], over saved
     made = grad if save == "recompute" else None
     return tuple(_empty_if_none(g, x) for g in (dw, ddown, made))
 

@@ -281,14 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{name} M={rows} bfloat16 forward {save.name} (routed experts)"
         if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
             failed.append(label)
-    # The routed experts' row-wise dot (the routing weights' gradient): a plain Triton kernel.
-    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "BM": "constexpr", "BN": "constexpr"}
+    # The routed experts' row-wise dot (the routing weights' gradient) and scaling: a plain Triton kernel.
+    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "scale_ptr": "*bf16", "out_ptr": "*fp32"}
     signature |= dict.fromkeys(("M", "N", "stride_a", "stride_b"), "i32")
+    signature |= dict.fromkeys(("BM", "BN"), "constexpr")
     signature = {name: signature[name] for name in _row_dot_kernel.arg_names}
     source = ASTSource(_row_dot_kernel, signature, dict(zip(("BM", "BN"), GPU_BLOCK, strict=True)))
     kernel = triton.compile(source, target=target, options={"num_warps": 4})
     tile, limit = "x".join(map(str, GPU_BLOCK)), SHARED_LIMIT[args.arch]
-    if not _report("bfloat16 row dot (routed experts)", tile, resources(kernel), "tf32", limit):
+    if not _report("bfloat16 row dot and scale (routed experts)", tile, resources(kernel), "tf32", limit):
         failed.append("row dot")
     # The routed experts' combine of each token's rows, at every top-k the tests take.
     for top_k in (1, 2, 8):
