@@ -1,0 +1,80 @@
+"""The routed experts' gate/up forward kernel against cuBLAS's grouped GEMM of the same rows.
+
+Run on the GPU: ``python benchmarks/experts_gate_up.py [--tokens N] [--reps N] [--commit SHA]``.
+At each ``bench --experts`` shape (bf16, balanced routing), on x's rows grouped by expert: the
+library's forward kernel with the SwiGLU in its epilogue (saving the factors, as ``save="factors"``
+does); ``torch._grouped_mm`` alone (the floor's GEMM); and ``torch._grouped_mm`` followed by the
+library's activation pass writing the factors over the pre-activations (what a cuBLAS path would
+run instead). ``a`` of the kernel is compared with
+the cuBLAS path's (relative difference); the three are timed in one loop, the order rotating between
+repetitions (``do_bench`` medians). Where the kernel is slower than the GEMM plus the pass, the
+fusion loses: the question at Mixtral-8x7B's sizes, where the GEMMs are 90% of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from fused_swiglu.bench.experts import EXPERT_SHAPES, routing
+from fused_swiglu.bench.measure import median_ms
+from fused_swiglu.bench.report import start_gpu_log
+from fused_swiglu.kernels.common import Saved
+from fused_swiglu.kernels.glu_activation import glu_activation
+from fused_swiglu.kernels.glu_forward import glu_forward
+from fused_swiglu.routing import route
+from fused_swiglu.testing import relative_error
+
+ONE = {"gate_multiplier": 1.0, "down_multiplier": 1.0}  # experts carry no multipliers
+
+
+def variants(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> dict:
+    index, _ = routing(tokens, experts, top_k, "balanced", "cuda")
+    routes = route(index, experts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    x_rows = x[routes.sources // top_k].contiguous()
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate_up /= hidden**0.5
+    table = (routes.tiles, routes.used_tiles, experts)
+    w_t = gate_up.transpose(1, 2)
+
+    def kernel():
+        return glu_forward(x_rows, gate_up, save=Saved.FACTORS, experts=table, **ONE)[0]
+
+    def gemm():
+        return torch._grouped_mm(x_rows, w_t, offs=routes.ends)
+
+    def gemm_and_pass():  # the factors over the pre-activations, as the kernel saves them
+        return glu_activation(gemm(), factors_in_place=True, **ONE)
+
+    return {"kernel": kernel, "grouped_mm": gemm, "grouped_mm + activation": gemm_and_pass}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--commit")
+    args = parser.parse_args()
+    if start_gpu_log(args.commit, "experts_gate_up.py needs a CUDA GPU") is None:
+        return
+    print(f"{'shape':16s} {'grouped_mm ms':>14s} {'kernel':>8s} {'+ activation':>13s} {'a rel. diff':>12s}")
+    for name, (hidden, inter, experts, top_k) in EXPERT_SHAPES.items():
+        fns = variants(hidden, inter, experts, top_k, args.tokens)
+        diff = relative_error(fns["kernel"]().float(), fns["grouped_mm + activation"]().float())
+        times = {n: [] for n in fns}
+        names = list(fns)
+        for rep in range(args.reps):
+            for n in names[rep % len(names) :] + names[: rep % len(names)]:
+                times[n].append(median_ms(fns[n]))
+        ms = {n: statistics.median(t) for n, t in times.items()}
+        floor = ms["grouped_mm"]
+        ratios = f"{ms['kernel'] / floor:8.3f} {ms['grouped_mm + activation'] / floor:13.3f}"
+        print(f"{name:16s} {floor:14.3f} {ratios} {diff:12.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
