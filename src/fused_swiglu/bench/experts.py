@@ -18,6 +18,7 @@ inputs and weights, the gradients included (none exist before the step).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -171,6 +172,11 @@ def measure_experts(
                 p.grad = None
 
         clear()
+        if impl == "liger" and os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") not in ("0", "false", "no"):
+            # liger-kernel 0.8.5's fused MoE: 4 GEMM kernels x 32 configs, 2 x 16, a gather x 40
+            log(
+                "  liger: its first call autotunes 200 kernel variants (LIGER_FUSED_MOE_AUTOTUNE=0: one each)"
+            )
         start = time.perf_counter()
         step()  # the first call compiles
         torch.cuda.synchronize()
