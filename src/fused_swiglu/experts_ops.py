@@ -182,7 +182,8 @@ def _experts_backward_down(
     else:
         dw = None
         grad.mul_(w_rows[:, None])
-        a.mul_(w_rows[:, None])
+        if need_ddown:
+            a.mul_(w_rows[:, None])
     ddown = _grouped_mm(dy_rows.t(), a, ends) if need_ddown else None
     del a
     grad = _swiglu_grad_(grad, saved, kind, fused)  # [dU | dG], over saved
