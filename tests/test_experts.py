@@ -466,23 +466,82 @@ def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
     assert relative_error(results[1][0], (torch.nn.functional.silu(gate) * up).reshape(-1, 48)) < 1e-5
 
 
-@pytest.mark.parametrize("size", [(1, 8), (37, 24), (130, 300)], ids=lambda s: f"M{s[0]}-N{s[1]}")
-def test_row_dot_accumulates_in_fp32_then_scales(device, size):
-    """The routing weights' gradient: row-wise dot products in one pass, fp32 sums of exact products
-    of the operands as given; then both operands scaled row by row, rounded as ``Tensor.mul_`` rounds."""
-    from fused_swiglu.kernels.row_dot import row_dot_and_scale_
+def _routed_backward_reference(dy_rows, down, preact, weights_of_row, expert_of_row):
+    """float64: the gradient of a * w per row, the routing weights' gradient, a * w and [dU | dG]."""
+    from fused_swiglu.layout import CHUNK, split_packed_columns
 
-    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
-    g = torch.Generator().manual_seed(size[0])
-    a, b, scale = (
-        torch.randn(*s, generator=g).to(device=device, dtype=dtype) for s in (size, size, size[:1])
+    dy_rows, down, preact, w = (t.double() for t in (dy_rows, down, preact, weights_of_row))
+    da_w = torch.bmm(dy_rows[:, None, :], down[expert_of_row])[:, 0]  # [P, I]
+    up, gate = split_packed_columns(preact)
+    a = torch.nn.functional.silu(gate) * up
+    da = da_w * w[:, None]
+    sigmoid = torch.sigmoid(gate)
+    d_up, d_gate = da * gate * sigmoid, da * up * sigmoid * (1 + gate * (1 - sigmoid))
+    grad = torch.stack((d_up.view(len(w), -1, CHUNK), d_gate.view(len(w), -1, CHUNK)), 2).view(len(w), -1)
+    return (da_w * a).sum(-1), a * w[:, None], grad
+
+
+@pytest.mark.parametrize("save", ["factors", "preact"])
+@pytest.mark.parametrize("block_m", [None, EXPERT_ROWS // 4], ids=["table-tile", "smaller-tile"])
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True), (False, False)])
+def test_routed_backward_kernel_against_float64(device, save, block_m, needs):
+    """The routed backward in one kernel (dA = dy's rows times each row's expert's down weight, the
+    SwiGLU gradient, the routing weights' gradient and a * w in its epilogue) against float64, on a
+    ragged routing with an empty expert; rows past a group's end are never written (each row is
+    checked), and every output row is written (NaN-poisoned buffers)."""
+    from fused_swiglu.kernels.common import Saved
+    from fused_swiglu.kernels.configs import INTERPRETER_CONFIG, TileConfig
+    from fused_swiglu.kernels.glu_backward import routed_glu_backward_
+    from fused_swiglu.kernels.glu_forward import glu_forward
+
+    if device.type != "cpu":
+        pytest.skip("interpreter-sized tiles; the GPU runs it through the experts' tests")
+    need_row_grad, write_scaled_a = needs
+    x, index, weights, gate_up, down, dy = problem(29, 32, 48, 4, 2, device, empty=(1,))
+    routes = route(index, 4)
+    token_of_row, expert_of_row = routes.sources // 2, index.reshape(-1)[routes.sources]
+    x_rows, dy_rows = x[token_of_row].contiguous(), dy[token_of_row].contiguous()
+    w_rows = weights.reshape(-1)[routes.sources].contiguous()
+    experts = (routes.tiles, routes.used_tiles, 4)
+    kind = Saved.of(save)
+    a, saved = glu_forward(x_rows, gate_up, save=kind, experts=experts, **MULTIPLIERS)
+    _, preact = glu_forward(x_rows, gate_up, save=Saved.PREACT, experts=experts, **MULTIPLIERS)
+    want_dw, want_aw, want_grad = _routed_backward_reference(dy_rows, down, preact, w_rows, expert_of_row)
+    config = None if block_m is None else TileConfig(block_m, 16, 16, group_m=2, num_warps=4, num_stages=1)
+    assert config is None or INTERPRETER_CONFIG.block_m != block_m
+    dw, aw = routed_glu_backward_(
+        dy_rows,
+        down,
+        saved,
+        a if kind == Saved.FACTORS else None,
+        w_rows,
+        routes.tiles,
+        routes.used_tiles,
+        save=kind,
+        need_row_grad=need_row_grad,
+        write_scaled_a=write_scaled_a,
+        config=config,
     )
-    want_dot = (a.double() * b.double()).sum(-1)
-    want_a, want_b = a * scale[:, None], b * scale[:, None]
-    got = row_dot_and_scale_(a, b, scale)
-    assert got.dtype == torch.float32 and got.shape == (size[0],)
-    assert relative_error(got, want_dot) < 1e-5
-    assert torch.equal(a, want_a) and torch.equal(b, want_b)
+    for row in range(len(w_rows)):  # every row its own expert's: a past-end store would show here
+        assert relative_error(saved[row], want_grad[row]) < 1e-5, row
+    assert (dw is None) == (not need_row_grad) and (aw is None) == (not write_scaled_a)
+    if need_row_grad:
+        assert dw.dtype == torch.float32 and relative_error(dw, want_dw) < 1e-5
+    if write_scaled_a:
+        assert relative_error(aw, want_aw) < 1e-5
+        assert kind != Saved.FACTORS or aw is a  # over a: a's last use
+
+
+def test_routed_backward_refuses_factors_without_a(device):
+    from fused_swiglu.kernels.common import Saved
+    from fused_swiglu.kernels.glu_backward import routed_glu_backward_
+
+    x, index, weights, gate_up, down, dy = problem(8, 32, 16, 2, 1, device)
+    routes = route(index, 2)
+    saved = torch.zeros(8, 32, device=device)
+    args = (dy, down, saved, None, weights.reshape(-1), routes.tiles, routes.used_tiles)
+    with pytest.raises(ValueError, match="factors and a"):
+        routed_glu_backward_(*args, save=Saved.FACTORS, need_row_grad=True, write_scaled_a=True)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])

@@ -23,8 +23,8 @@ def test_chosen_configs_fit_an_sm90_block():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # The three-pass fp32 forward, which spills with the wider tile of the other precisions.
     assert "float32/tf32x3 forward FACTORS" in done.stdout
-    # The routed experts' forward, with the masked stores of a group's cut tile.
+    # The routed experts' forward and backward, with the masked stores of a group's cut tile.
     assert "bfloat16 forward FACTORS (routed experts)" in done.stdout
-    assert "bfloat16 row dot and scale (routed experts)" in done.stdout
+    assert "bfloat16 backward PREACT (routed experts)" in done.stdout
     # The Gluon backward, compiled with its register split between loaders and consumers.
     assert "bfloat16 backward FACTORS (warp-specialized)" in done.stdout

@@ -6,12 +6,12 @@ grouped by expert, one row per routed slot (routing.py):
   grouped GEMM. Saved for the backward, per row: the factors and ``a`` (``"factors"``, 3I), the
   pre-activations (``"preact"``, 2I) or nothing (``"recompute"``);
 * backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
-  ``a`` again where it was not saved (from the pre-activations, or by the forward kernel with the
-  factors), the down projections' gradients as grouped GEMMs, the routing weights' gradient as one
-  row-dot pass that also applies the routing weights to both its operands (kernels/row_dot.py) and
-  the SwiGLU gradient in place over what was saved; then the packed dW and dX's rows as grouped
-  GEMMs, x's rows gathered again for dW and freed before dX's rows are made (the backward ops take
-  x and each row's token, not x's rows);
+  ``a`` again where it was not saved (by the forward kernel, with ``"recompute"``), then one kernel
+  (kernels/glu_backward.py, routed) for the down projections' input gradient with, in its epilogue,
+  the routing weights' gradient, ``a * w`` for dW_down and the SwiGLU gradient over what was saved,
+  and dW_down as a grouped GEMM; then the packed dW and dX's rows as grouped GEMMs, x's rows gathered
+  again for dW and freed before dX's rows are made (the backward ops take x and each row's token,
+  not x's rows);
 * inference: the forward, nothing saved;
 * combine: each token's ``k`` rows summed into one (y's rows, dX's rows), in one pass
   (kernels/combine.py).
@@ -30,10 +30,8 @@ import torch
 
 from .kernels.combine import combine
 from .kernels.common import Saved, tma_ready
-from .kernels.glu_activation import glu_activation
+from .kernels.glu_backward import routed_glu_backward_
 from .kernels.glu_forward import glu_forward
-from .kernels.glu_grad import glu_grad_
-from .kernels.row_dot import row_dot_and_scale_
 from .layout import CHUNK, split_packed_columns
 from .library import define
 from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
@@ -61,19 +59,6 @@ def _grouped_gemm_hardware(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _row_dot_and_scale_(a, b, scale):
-    """Row-wise ``(a * b).sum(-1)``, accumulated in fp32 or wider, then ``a`` and ``b`` times ``scale``
-    row by row in place: one kernel pass where it runs, else in PyTorch on fp32 copies (float64
-    stays float64)."""
-    if kernels_run_on(a.dtype, a.device) and a.stride(-1) == 1 and b.stride(-1) == 1:
-        return row_dot_and_scale_(a, b, scale.to(a.dtype).contiguous())
-    wide = torch.promote_types(a.dtype, torch.float32)
-    dot = torch.linalg.vecdot(a.to(wide), b.to(wide))
-    a.mul_(scale[:, None])
-    b.mul_(scale[:, None])
-    return dot
-
-
 def _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save: str, fused: bool):
     """``a`` [P, I] and what the backward reads of the gate/up half: the factors (fused ``"factors"``,
     [P, 2I]), the pre-activations (``"preact"``, and ``"factors"`` in PyTorch) or ``None``."""
@@ -86,25 +71,15 @@ def _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save: str, fused: 
     return torch.nn.functional.silu(gate) * up, packed if save != "recompute" else None
 
 
-def _activation(preact, fused: bool):
-    """``a`` from the packed pre-activations [P, 2I]."""
-    if fused:
-        return glu_activation(preact, gate_multiplier=1.0, down_multiplier=1.0)
+def _swiglu_grad_(da, preact):
+    """The packed [dU | dG] of ``da`` over the pre-activations ``preact`` [P, 2I], in place (PyTorch)."""
     up, gate = split_packed_columns(preact)
-    return torch.nn.functional.silu(gate) * up
-
-
-def _swiglu_grad_(da, saved, kind: Saved, fused: bool):
-    """The packed [dU | dG] of ``da`` over ``saved`` (the factors or pre-activations), in place."""
-    if fused:
-        return glu_grad_(da, saved, save=kind)
-    up, gate = split_packed_columns(saved)  # pre-activations: the PyTorch path keeps no factors
     sigmoid = torch.sigmoid(gate)
     d_up, d_gate = da * gate * sigmoid, da * up * sigmoid * (1 + gate * (1 - sigmoid))
-    grouped = saved.view(saved.shape[0], -1, 2, CHUNK)  # written once both are made (up may be a view)
-    grouped[:, :, 0] = d_up.view(saved.shape[0], -1, CHUNK)
-    grouped[:, :, 1] = d_gate.view(saved.shape[0], -1, CHUNK)
-    return saved
+    grouped = preact.view(preact.shape[0], -1, 2, CHUNK)  # written once both are made (up may be a view)
+    grouped[:, :, 0] = d_up.view(preact.shape[0], -1, CHUNK)
+    grouped[:, :, 1] = d_gate.view(preact.shape[0], -1, CHUNK)
+    return preact
 
 
 def _prepared(x_rows, gate_up_weight, down_weight):
@@ -171,23 +146,38 @@ def _experts_backward_down(
         _overwrite_once(saved)
         if save == "factors":
             _overwrite_once(a)
-        else:
-            a = _activation(saved, fused)
-    kind = Saved.FACTORS if fused and save != "preact" else Saved.PREACT
-    dy_rows = dy_rows.contiguous()
-    grad = _grouped_mm(dy_rows, down_weight, ends)  # of a * w
-    # Then a * w in place (a's last use), and the gradient of a over the gradient of a * w.
-    if need_dw:
-        dw = _row_dot_and_scale_(grad, a, w_rows)  # the routing weights' gradient in the same pass
+    dy_rows = tma_ready(dy_rows)
+    if fused:
+        # One kernel: the gradient of a * w, the routing weights' gradient, a * w over a for dW_down
+        # and the SwiGLU gradient over what was saved.
+        kind = Saved.PREACT if save == "preact" else Saved.FACTORS
+        dw, a = routed_glu_backward_(
+            dy_rows,
+            down_weight,
+            saved,
+            a if kind == Saved.FACTORS else None,
+            w_rows.contiguous(),
+            tiles,
+            used_tiles,
+            save=kind,
+            need_row_grad=need_dw,
+            write_scaled_a=need_ddown,
+        )
     else:
-        dw = None
-        grad.mul_(w_rows[:, None])
+        if save == "preact":
+            up, gate = split_packed_columns(saved)
+            a = torch.nn.functional.silu(gate) * up
+        grad = _grouped_mm(dy_rows, down_weight, ends)  # of a * w
+        wide = torch.promote_types(a.dtype, torch.float32)
+        dw = torch.linalg.vecdot(grad.to(wide), a.to(wide)) if need_dw else None
+        grad.mul_(w_rows[:, None])  # the gradient of a
         if need_ddown:
-            a.mul_(w_rows[:, None])
+            a.mul_(w_rows[:, None])  # a * w, a's last use
+        _swiglu_grad_(grad, saved)  # [dU | dG], over the pre-activations the PyTorch path keeps
+        del grad
     ddown = _grouped_mm(dy_rows.t(), a, ends) if need_ddown else None
     del a
-    grad = _swiglu_grad_(grad, saved, kind, fused)  # [dU | dG], over saved
-    made = grad if save == "recompute" else None
+    made = saved if save == "recompute" else None
     return tuple(_empty_if_none(g, x) for g in (dw, ddown, made))
 
 

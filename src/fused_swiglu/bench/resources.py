@@ -39,7 +39,6 @@ from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
-from ..kernels.row_dot import GPU_BLOCK, _row_dot_kernel
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
@@ -113,25 +112,38 @@ def backward_kernel(
     cfg: TileConfig | None = None,
     target: GPUTarget = SM90,
     own_grad: bool = False,
+    experts: bool = False,
 ):
-    """In place (the eager path), or with ``own_grad`` storing into a gradient buffer of its own."""
-    cfg = cfg or backward_config(m, hidden, inter, dtype, True, save)
+    """In place (the eager path), or with ``own_grad`` storing into a gradient buffer of its own;
+    ``experts``: the routed experts' variant (the tile table, the routing weights, their gradient's
+    partial sums, a read and a * w written, the masked stores)."""
+    cfg = cfg or backward_config(m, hidden, inter, dtype, True, save, experts)
     width = cfg.block_n // cfg.epilogue_split
     descriptors = {
         "dy_desc": _descriptor_type([cfg.block_m, cfg.block_k], dtype),
         "wd_desc": _descriptor_type([cfg.block_k, cfg.block_n], dtype),
         "s_desc": _descriptor_type([cfg.block_m, 2 * width], dtype),
     }
-    constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision}
+    constants = {"SAVE": int(save), "CHUNK_": CHUNK, "DOT_PRECISION": precision, "ROWS": EXPERT_ROWS}
+    constants["WRITE_A"] = experts or save == Saved.PREACT
     if own_grad:
         descriptors["g_desc"] = descriptors["s_desc"]
     else:
         constants["g_desc"] = None
-    if save == Saved.PREACT:
+    if save == Saved.PREACT or experts:
         descriptors["a_desc"] = _descriptor_type([cfg.block_m, width], dtype)
     else:
         constants["a_desc"] = None
-    scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_multiplier": "fp32", "down_multiplier": "fp32"}
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "NP": "i32", "gate_multiplier": "fp32"}
+    scalars["down_multiplier"] = "fp32"
+    pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    routed = {"t_ptr": "*i32", "used_ptr": "*i32", "s_ptr": pointer, "a_ptr": pointer, "r_ptr": "*fp32"}
+    routed["p_ptr"] = "*fp32"
+    for name, kind in routed.items():
+        if experts:
+            scalars[name] = kind
+        else:
+            constants[name] = None
     return cfg, _compile(_glu_backward_kernel, descriptors, scalars, constants, cfg, target)
 
 
@@ -281,16 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{name} M={rows} bfloat16 forward {save.name} (routed experts)"
         if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
             failed.append(label)
-    # The routed experts' row-wise dot (the routing weights' gradient) and scaling: a plain Triton kernel.
-    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "scale_ptr": "*bf16", "out_ptr": "*fp32"}
-    signature |= dict.fromkeys(("M", "N", "stride_a", "stride_b"), "i32")
-    signature |= dict.fromkeys(("BM", "BN"), "constexpr")
-    signature = {name: signature[name] for name in _row_dot_kernel.arg_names}
-    source = ASTSource(_row_dot_kernel, signature, dict(zip(("BM", "BN"), GPU_BLOCK, strict=True)))
-    kernel = triton.compile(source, target=target, options={"num_warps": 4})
-    tile, limit = "x".join(map(str, GPU_BLOCK)), SHARED_LIMIT[args.arch]
-    if not _report("bfloat16 row dot and scale (routed experts)", tile, resources(kernel), "tf32", limit):
-        failed.append("row dot")
+    # The routed experts' backward: every output at once (the largest epilogue).
+    for name, save, bulk in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT), (True, False)):
+        m, hidden, inter = SHAPES[name]
+        rows = m if bulk else 1
+        cfg, kernel = backward_kernel(
+            rows, hidden, inter, torch.bfloat16, save, "tf32", target=target, experts=True
+        )
+        label = f"{name} M={rows} bfloat16 backward {save.name} (routed experts)"
+        if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
+            failed.append(label)
+    limit = SHARED_LIMIT[args.arch]
     # The routed experts' combine of each token's rows, at every top-k the tests take.
     for top_k in (1, 2, 8):
         signature = {"src_ptr": "*bf16", "rows_ptr": "*i32", "out_ptr": "*bf16"}

@@ -30,6 +30,9 @@ class Saved(enum.IntEnum):
 _SAVED_BY_MODE = {"factors": Saved.FACTORS, "preact": Saved.PREACT, "recompute": Saved.NOTHING}
 
 
+#: Widest masked store of a routed tile in one piece: wider ones go in halves (registers, sm_90).
+MASKED_COLUMNS = tl.constexpr(16)
+
 #: Programs of a persistent launch on a CPU tensor (interpreter): small, so tests walk the tile loop.
 INTERPRETER_PROGRAMS = 3
 
@@ -169,6 +172,46 @@ def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(ptr, b, o_m, o_c, end, cols, BM: tl.constexpr, W: tl.constexpr):
+    """``b`` [BM, W] at row ``o_m``, column ``o_c``, the rows before ``end`` only (32-bit offsets
+    from the tile's first element)."""
+    rows = tl.arange(0, BM)
+    columns = tl.arange(0, W)
+    first = ptr + o_m.to(tl.int64) * cols + o_c
+    keep = (rows[:, None] < end - o_m) & (columns[None, :] < cols - o_c)
+    tl.store(first + rows[:, None] * cols + columns[None, :], b, mask=keep)
+
+
+@triton.jit
+def _store_rows_in_halves(ptr, b, o_m, o_c, end, cols, BM: tl.constexpr, W: tl.constexpr):
+    if W > MASKED_COLUMNS:
+        b_lo, b_hi = split_halves(b, BM, W)
+        _store_rows(ptr, b_lo, o_m, o_c, end, cols, BM, W // 2)
+        _store_rows(ptr, b_hi, o_m, o_c + W // 2, end, cols, BM, W // 2)
+    else:
+        _store_rows(ptr, b, o_m, o_c, end, cols, BM, W)
+
+
+@triton.jit
+def store_tile(desc, ptr, b, o_m, o_c, end, cols, BM: tl.constexpr, W: tl.constexpr):
+    """``b`` [BM, W] at row ``o_m``, column ``o_c`` of a [rows, ``cols``] tensor: through TMA, or,
+    with ``ptr`` given (routed experts) and the tile past its group's ``end`` row, with masks."""
+    if ptr is None:  # a compile-time branch: the dense kernel has no masked stores
+        desc.store([o_m, o_c], b)
+    else:
+        if o_m + BM > end:
+            if W > MASKED_COLUMNS:
+                # In column halves (and quarters): one piece's addresses live at a time (registers).
+                b_lo, b_hi = split_halves(b, BM, W)
+                _store_rows_in_halves(ptr, b_lo, o_m, o_c, end, cols, BM, W // 2)
+                _store_rows_in_halves(ptr, b_hi, o_m, o_c + W // 2, end, cols, BM, W // 2)
+            else:
+                _store_rows(ptr, b, o_m, o_c, end, cols, BM, W)
+        else:
+            desc.store([o_m, o_c], b)
+
+
+@triton.jit
 def split_halves(b, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """[ROWS, WIDTH] -> left [ROWS, WIDTH/2], right [ROWS, WIDTH/2] (register-only on MMA layouts)."""
     return tl.split(tl.permute(tl.reshape(b, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
@@ -209,6 +252,7 @@ __all__ = [
     "persistent_programs",
     "silu_and_slope",
     "split_halves",
+    "store_tile",
     "tile_coords",
     "tma_ready",
     "unpack_columns",

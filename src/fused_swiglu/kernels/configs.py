@@ -204,17 +204,28 @@ def backward_config(
     dtype: torch.dtype,
     on_gpu: bool,
     save: Saved = Saved.FACTORS,
+    routed: bool = False,
 ) -> TileConfig:
     """Tile of the dY @ W_down + SwiGLU-gradient kernel (reduces over ``hidden``).
 
     A [128, 256] accumulator, as wide as the forward's (much faster than [128, 128]); its epilogue
     walks the [128, 512] saved tile in four pieces, so three pipeline stages still fit. The flattened
     persistent loop helps with saved pre-activations and at a short reduction (hidden <= 1024), and
-    costs with factors over a long one (docs/design/kernel-choice.md).
+    costs with factors over a long one (docs/design/kernel-choice.md). ``routed``: the routed
+    experts' variant.
     """
     if not on_gpu:
         return INTERPRETER_CONFIG
     block_k = 64 if dtype.itemsize == 2 else 32
+    if routed:
+        # Routed experts: no flattened loop around the branch to a group's cut tile (as the routed
+        # forward), and a [128, 128] tile in four pieces, 8 warps even at decode sizes: the routing
+        # weights' gradient, a * w and the cut tile's masked stores need the registers that leaves
+        # (python -m fused_swiglu.bench.resources: [128, 256] spills).
+        if m <= 64:
+            return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=8, num_stages=4)
+        stages = 4 if dtype.itemsize == 2 else 3
+        return TileConfig(128, 128, block_k, num_warps=8, num_stages=stages, epilogue_split=4)
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
     flatten = save == Saved.PREACT or hidden <= 1024

@@ -42,29 +42,12 @@ from .common import (
     shared_memory_limit,
     silu_and_slope,
     split_halves,
+    store_tile,
     tile_coords,
     unpack_columns,
 )
 from .configs import EXPERT_ROWS, TileConfig, fit_low_rank, forward_config
 from .launch import KernelLauncher, Tma
-
-
-@triton.jit
-def _store(desc, ptr, b, o_m, o_c, end, cols, BM: tl.constexpr, W: tl.constexpr):
-    """``b`` [BM, W] at row ``o_m``, column ``o_c`` of a [rows, ``cols``] tensor: through TMA, or,
-    with ``ptr`` given (routed experts) and the tile past its group's ``end`` row, with masks."""
-    if ptr is None:  # a compile-time branch: the dense kernel has no masked stores
-        desc.store([o_m, o_c], b)
-    else:
-        if o_m + BM > end:
-            # The tile's rows up to the group's end: 32-bit offsets from the tile's first element.
-            rows = tl.arange(0, BM)
-            columns = tl.arange(0, W)
-            first = ptr + o_m.to(tl.int64) * cols + o_c
-            keep = (rows[:, None] < end - o_m) & (columns[None, :] < cols - o_c)
-            tl.store(first + rows[:, None] * cols + columns[None, :], b, mask=keep)
-        else:
-            desc.store([o_m, o_c], b)
 
 
 @triton.jit
@@ -90,12 +73,12 @@ def _forward_epilogue(
     b_silu, b_slope = silu_and_slope(b_g)
     if a_desc is not None:
         b_a = (b_silu * b_up * down_multiplier).to(a_desc.dtype)
-        _store(a_desc, a_ptr, b_a, o_m, o_n, end, N, BM, W // 2)
+        store_tile(a_desc, a_ptr, b_a, o_m, o_n, end, N, BM, W // 2)
     if SAVE == 1:
         b_factors = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, W, CHUNK_)
-        _store(s_desc, s_ptr, b_factors.to(s_desc.dtype), o_m, 2 * o_n, end, 2 * N, BM, W)
+        store_tile(s_desc, s_ptr, b_factors.to(s_desc.dtype), o_m, 2 * o_n, end, 2 * N, BM, W)
     elif SAVE == 2:
-        _store(s_desc, s_ptr, b_acc.to(s_desc.dtype), o_m, 2 * o_n, end, 2 * N, BM, W)
+        store_tile(s_desc, s_ptr, b_acc.to(s_desc.dtype), o_m, 2 * o_n, end, 2 * N, BM, W)
 
 
 @triton.jit
