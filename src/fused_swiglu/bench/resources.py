@@ -228,18 +228,24 @@ def _tile(cfg: TileConfig) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} e{cfg.epilogue_split}"
 
 
-def _report(label: str, tile: str, r: dict, precision: str, limit: int) -> bool:
-    """Print one kernel; False if it cannot launch (shared memory) or a tensor-core variant spills.
+#: Bytes a thread of the routed experts' backward may spill: its [128, 256] tile spills in the
+#: epilogue and measured faster than the [128, 128] one that does not (docs/design/experts.md).
+ROUTED_BACKWARD_SPILL = 1536
+
+
+def _report(label: str, tile: str, r: dict, precision: str, limit: int, spill_limit: int = 0) -> bool:
+    """Print one kernel; False if it cannot launch (shared memory) or a tensor-core variant spills
+    more than ``spill_limit`` bytes a thread.
 
     The fp32 "ieee" variant (TF32 off) runs its dot on the FMA units, and every tile measured here
     spills there; it is reported, not failed.
     """
     fits = r["shared_bytes"] <= limit
     spills = r["spilled_bytes"] > 0
-    ok = fits and (not spills or precision == "ieee")
+    ok = fits and (r["spilled_bytes"] <= spill_limit or precision == "ieee")
     note = "" if ok else "  <-- FAILS"
     if ok and spills:
-        note = "  (spills: FMA dot)"
+        note = "  (spills: FMA dot)" if precision == "ieee" else "  (spills: within the allowance)"
     print(
         f"{label:<52} {tile:<16} {r['registers']:>3} regs, {r['spilled_bytes']} B spilled, "
         f"{r['shared_bytes'] / 1024:.0f} KB shared{note}",
@@ -301,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             rows, hidden, inter, torch.bfloat16, save, "tf32", target=target, experts=True
         )
         label = f"{name} M={rows} bfloat16 backward {save.name} (routed experts)"
-        if not _report(label, _tile(cfg), resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
+        limits = SHARED_LIMIT[args.arch], ROUTED_BACKWARD_SPILL
+        if not _report(label, _tile(cfg), resources(kernel), "tf32", *limits):
             failed.append(label)
     limit = SHARED_LIMIT[args.arch]
     # The routed experts' combine of each token's rows, at every top-k the tests take.

@@ -219,13 +219,14 @@ def backward_config(
     block_k = 64 if dtype.itemsize == 2 else 32
     if routed:
         # Routed experts: no flattened loop around the branch to a group's cut tile (as the routed
-        # forward), and a [128, 128] tile in four pieces, 8 warps even at decode sizes: the routing
-        # weights' gradient, a * w and the cut tile's masked stores need the registers that leaves
-        # (python -m fused_swiglu.bench.resources: [128, 256] spills).
+        # forward). The dense [128, 256] tile spills in the epilogue here (the routing weights'
+        # gradient, a * w, the cut tile's masked stores) and still measured faster than the
+        # [128, 128] tile that does not (docs/design/experts.md). 8 warps at decode sizes too.
         if m <= 64:
             return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=8, num_stages=4)
-        stages = 4 if dtype.itemsize == 2 else 3
-        return TileConfig(128, 128, block_k, num_warps=8, num_stages=stages, epilogue_split=4)
+        if dtype.itemsize == 4:
+            return TileConfig(128, 128, block_k, num_warps=8, num_stages=3, epilogue_split=4)
+        return TileConfig(128, 256, block_k, num_warps=8, num_stages=3, epilogue_split=4)
     if m <= 64:
         return TileConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4, num_stages=4)
     flatten = save == Saved.PREACT or hidden <= 1024
