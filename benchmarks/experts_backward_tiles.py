@@ -76,9 +76,11 @@ def main() -> None:
     args = parser.parse_args()
     if start_gpu_log(args.commit, "experts_backward_tiles.py needs a CUDA GPU") is None:
         return
-    print(f"{'shape':16s} {'grouped_mm ms':>14s} " + " ".join(f"{n:>14s}" for n in CANDIDATES) + "  (x grouped_mm)")
+    header = " ".join(f"{n:>14s}" for n in CANDIDATES)
+    print(f"{'shape':16s} {'grouped_mm ms':>14s} {header}  (x grouped_mm)")
     for name, (hidden, inter, experts, top_k) in EXPERT_SHAPES.items():
-        chosen = backward_config(args.tokens * top_k, hidden, inter, torch.bfloat16, True, Saved.FACTORS, True)
+        rows = args.tokens * top_k
+        chosen = backward_config(rows, hidden, inter, torch.bfloat16, True, Saved.FACTORS, routed=True)
         fns = variants(hidden, inter, experts, top_k, args.tokens)
         times = {n: [] for n in fns}
         names = list(fns)
