@@ -377,13 +377,16 @@ def test_x_rows_are_freed_before_dx_rows_are_made(device, save, monkeypatch):
 
 @pytest.mark.parametrize(("save", "kept"), [("factors", 3), ("preact", 2), ("recompute", 0)])
 def test_activations_kept_per_routed_slot(device, save, kept):
-    """Between forward and backward, beyond x, the weights and the routing: ``kept`` x intermediate
-    elements per routed slot (x's rows are gathered again in the backward, not kept)."""
+    """Between forward and backward, beyond x, the weights and the routing (each row's token and
+    routing weight, one number each): ``kept`` x intermediate elements per routed slot (x's rows
+    are gathered again in the backward, not kept)."""
     x, index, weights, gate_up, down, _ = problem(40, 32, 24, 6, 2, device)
     y = swiglu_experts(x, index, weights.requires_grad_(), gate_up.requires_grad_(), down, save=save)
     inputs = {t.data_ptr() for t in (x, weights, gate_up, down)}
     saved = [t for t in y.grad_fn.saved_tensors if t.is_floating_point() and t.data_ptr() not in inputs]
-    assert sum(t.numel() for t in saved) == index.numel() * kept * 24
+    per_row = [t for t in saved if t.dim() == 1 and t.numel()]  # empty: what a mode keeps none of
+    assert [t.shape for t in per_row] == [(index.numel(),)]  # the rows' routing weights
+    assert sum(t.numel() for t in saved if t.dim() > 1) == index.numel() * kept * 24
 
 
 def test_a_new_module_is_initialised_like_linear_layers():

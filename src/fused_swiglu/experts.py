@@ -47,23 +47,23 @@ class RoutedExpertsFunction(torch.autograd.Function):
     def forward(
         ctx, x, slot_weights, gate_up_weight, down_weight, rows, sources, tiles, used_tiles, ends, k, save
     ):
-        token_of_row = sources // k
+        # Kept for the backward: each row's token (int32) and routing weight, not the slot order.
+        token_of_row, w_rows = (sources // k).int(), slot_weights[sources]
         weights = (gate_up_weight, down_weight)
         table = (tiles, used_tiles, ends)
-        y_rows, saved, a = experts_forward(x[token_of_row], slot_weights[sources], *weights, *table, save)
-        ctx.save_for_backward(x, slot_weights, *weights, rows, sources, *table, saved, a)
-        ctx.k, ctx.save = k, save
+        y_rows, saved, a = experts_forward(x[token_of_row], w_rows, *weights, *table, save)
+        ctx.save_for_backward(x, w_rows, *weights, rows, token_of_row, *table, saved, a)
+        ctx.k, ctx.save, ctx.weights_dtype = k, save, slot_weights.dtype
         return experts_combine(y_rows, rows, k)
 
     @staticmethod
     def backward(ctx, dy):
         _refuse_double_backward()
-        x, slot_weights, gate_up_weight, down_weight, rows, sources, *table, saved, a = _saved_tensors(ctx)
+        x, w_rows, gate_up_weight, down_weight, rows, token_of_row, *table, saved, a = _saved_tensors(ctx)
         if not torch.compiler.is_compiling():
             # Eagerly, what was saved is freed as the two ops finish with it, as a compiled backward does.
             ctx.maybe_clear_saved_tensors()  # only where the graph is not retained
         need_dx, need_dw, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
-        token_of_row, w_rows = sources // ctx.k, slot_weights[sources]
         weights = (gate_up_weight, down_weight)
         dw_rows, ddown, made = experts_backward_down(
             dy[token_of_row],
@@ -78,7 +78,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
             need_dw,
             need_ddown,
         )
-        del a  # with dy's rows, freed before the packed dW is made
+        del a, w_rows  # with dy's rows, freed before the packed dW is made
         grad, ends = (made if ctx.save == "recompute" else saved), table[2]
         del saved, made
         dx_rows, dgate_up = experts_backward_gate_up(
@@ -86,7 +86,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         )
         del grad
         dx = experts_combine(dx_rows, rows, ctx.k) if need_dx else None
-        dw = dw_rows[rows].to(slot_weights.dtype) if need_dw else None  # back to slot order
+        dw = dw_rows[rows].to(ctx.weights_dtype) if need_dw else None  # back to slot order
         return dx, dw, (dgate_up if need_dgate_up else None), (ddown if need_ddown else None), *(None,) * 7
 
 

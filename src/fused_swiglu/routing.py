@@ -23,7 +23,7 @@ from .kernels.configs import EXPERT_ROWS
 class Routes(NamedTuple):
     """Where the slots go; every tensor on the routing's device."""
 
-    rows: torch.Tensor  # [S] int64: the grouped row of each slot
+    rows: torch.Tensor  # [S] int32: the grouped row of each slot
     sources: torch.Tensor  # [S] int64: the slot of each grouped row
     tiles: torch.Tensor  # [max_tiles, 3] int32: each row tile's expert, first row and its group's end row
     used_tiles: torch.Tensor  # [1] int32: the tiles in use (the first entries of ``tiles``)
@@ -54,4 +54,4 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     first_tile = tile_ends[expert] - tiles_of_expert[expert]
     first_row = ends[expert] - counts[expert] + (tile - first_tile) * EXPERT_ROWS
     tiles = torch.stack((expert, first_row, ends[expert]), dim=1).int()
-    return Routes(rows, order, tiles, tile_ends[-1:].int(), ends.int())
+    return Routes(rows.int(), order, tiles, tile_ends[-1:].int(), ends.int())
