@@ -80,7 +80,7 @@ def _backward_epilogue(
         # is loaded (fewer registers live at once).
         b_a = a_desc.load([o_m, o_n]).to(tl.float32)
         if p_ptr is not None:
-            tl.store(p_ptr + rows * NP + o_n // W, tl.sum(b_da * b_a, axis=1), mask=live)
+            tl.store(p_ptr + rows.to(tl.int64) * NP + o_n // W, tl.sum(b_da * b_a, axis=1), mask=live)
         if WRITE_A:
             store_tile(a_desc, a_ptr, (b_a * b_w[:, None]).to(a_desc.dtype), o_m, o_n, end, N, BM, W)
     b_first, b_second = unpack_columns(s_desc.load([o_m, 2 * o_n]).to(tl.float32), BM, 2 * W, CHUNK_)
@@ -90,7 +90,7 @@ def _backward_epilogue(
         b_silu, b_slope = silu_and_slope(b_g)
         b_a = b_silu * b_first * down_multiplier
         if p_ptr is not None:
-            tl.store(p_ptr + rows * NP + o_n // W, tl.sum(b_da * b_a, axis=1), mask=live)
+            tl.store(p_ptr + rows.to(tl.int64) * NP + o_n // W, tl.sum(b_da * b_a, axis=1), mask=live)
         if r_ptr is not None:
             b_a = b_a * b_w[:, None]  # a * w, what dW_down reads
         if WRITE_A:
