@@ -13,12 +13,11 @@ are the launches', the values are not checked here (tests/test_experts.py checks
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from fused_swiglu.bench.experts import EXPERT_SHAPES, routing
-from fused_swiglu.bench.measure import median_ms
+from fused_swiglu.bench.measure import interleaved_medians
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_config
@@ -82,12 +81,7 @@ def main() -> None:
         rows = args.tokens * top_k
         chosen = backward_config(rows, hidden, inter, torch.bfloat16, True, Saved.FACTORS, routed=True)
         fns = variants(hidden, inter, experts, top_k, args.tokens)
-        times = {n: [] for n in fns}
-        names = list(fns)
-        for rep in range(args.reps):
-            for n in names[rep % len(names) :] + names[: rep % len(names)]:
-                times[n].append(median_ms(fns[n]))
-        ms = {n: statistics.median(t) for n, t in times.items()}
+        ms = interleaved_medians(fns, args.reps)
         ratios = " ".join(f"{ms[n] / ms['grouped_mm']:14.3f}" for n in CANDIDATES)
         print(f"{name:16s} {ms['grouped_mm']:14.3f} {ratios}  library: {chosen}", flush=True)
 

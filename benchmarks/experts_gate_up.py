@@ -14,12 +14,11 @@ fusion loses: the question at Mixtral-8x7B's sizes, where the GEMMs are 90% of t
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from fused_swiglu.bench.experts import EXPERT_SHAPES, routing
-from fused_swiglu.bench.measure import median_ms
+from fused_swiglu.bench.measure import interleaved_medians
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_activation import glu_activation
@@ -65,12 +64,7 @@ def main() -> None:
     for name, (hidden, inter, experts, top_k) in EXPERT_SHAPES.items():
         fns = variants(hidden, inter, experts, top_k, args.tokens)
         diff = relative_error(fns["kernel"]().float(), fns["grouped_mm + activation"]().float())
-        times = {n: [] for n in fns}
-        names = list(fns)
-        for rep in range(args.reps):
-            for n in names[rep % len(names) :] + names[: rep % len(names)]:
-                times[n].append(median_ms(fns[n]))
-        ms = {n: statistics.median(t) for n, t in times.items()}
+        ms = interleaved_medians(fns, args.reps)
         floor = ms["grouped_mm"]
         ratios = f"{ms['kernel'] / floor:8.3f} {ms['grouped_mm + activation'] / floor:13.3f}"
         print(f"{name:16s} {floor:14.3f} {ratios} {diff:12.2e}", flush=True)

@@ -16,7 +16,7 @@ import sys
 import per_shape
 import torch
 
-from fused_swiglu.bench.measure import median_ms
+from fused_swiglu.bench.measure import median_ms, rotation
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_backward_ws import (
@@ -77,7 +77,7 @@ def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
     times: dict[str, list[float]] = {label: [] for label in fns}
     order = list(fns)
     for rep in range(reps):
-        for label in order[rep % len(order) :] + order[: rep % len(order)]:
+        for label in rotation(order, rep):
             restore_and_run = lambda fn=fns[label]: (work.copy_(pristine), fn())  # noqa: E731
             times[label].append(median_ms(restore_and_run, warmup=25, rep=100) - copy_ms)
     print(f"\n{name} (M={m}, H={hidden}, I={inter}): cuBLAS dY @ W_down {gemm_ms:.3f} ms", flush=True)

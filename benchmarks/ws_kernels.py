@@ -18,7 +18,7 @@ import sys
 import per_shape
 import torch
 
-from fused_swiglu.bench.measure import median_ms
+from fused_swiglu.bench.measure import median_ms, rotation
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_backward_ws import CONFIGS, PING_PONG, glu_backward_ws_
@@ -79,7 +79,7 @@ def run_shape(name: str, shape: tuple[int, int, int], reps: int) -> list[dict]:
         times: dict[str, list[float]] = {label: [] for label in fns}
         order = list(fns)
         for rep in range(reps):
-            for label in order[rep % len(order) :] + order[: rep % len(order)]:
+            for label in rotation(order, rep):
                 times[label].append(median_ms(fns[label], warmup=25, rep=100) - subtract[label])
         gemm_ms = statistics.median(times["cuBLAS GEMM"])
         print(f"  {family}: cuBLAS GEMM {gemm_ms:.3f} ms", flush=True)

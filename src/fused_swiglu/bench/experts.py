@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .measure import MIB, median_ms, peak_mib
+from .measure import MIB, median_ms, peak_mib, rotation
 
 #: hidden, intermediate, experts, top-k
 EXPERT_SHAPES = {
@@ -189,7 +189,7 @@ def measure_experts(
         rows[impl] = {"impl": impl, "kept_mib": kept, "peak_mib": peak, "times": []}
     for rep in range(reps):
         names = list(steps)
-        for impl in names[rep % len(names) :] + names[: rep % len(names)]:
+        for impl in rotation(names, rep):
             step, params, clear = steps[impl]
             rows[impl]["times"].append(median_ms(step, grad_to_none=params or None))
             clear()

@@ -14,6 +14,7 @@ import torch
 
 from ..nn import SwiGLUMLP
 from .impls import EagerSwiGLUMLP, peer_module
+from .measure import rotation
 
 HOST_IMPLS = ("fused-factors", "fused-preact", "liger", "eager")
 
@@ -38,7 +39,7 @@ def measure_host_time(
     samples: dict[str, list[float]] = {name: [] for name in modules}
     names = list(modules)
     for rep in range(reps + 1):  # the first round warms up (compiles, caches)
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+        for name in rotation(names, rep):
             module = modules[name]
             torch.cuda.synchronize()
             start = time.perf_counter()

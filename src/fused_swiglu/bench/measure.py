@@ -20,6 +20,12 @@ from .impls import EagerSwiGLUMLP, Impl, build_impl
 MIB = 2**20
 
 
+def rotation(names: list, rep: int) -> list:
+    """``names`` starting at index ``rep`` (mod its length): the order of one interleaved repetition."""
+    shift = rep % len(names)
+    return names[shift:] + names[:shift]
+
+
 def median_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, grad_to_none=None) -> float:
     """``do_bench``'s median time of one call of ``fn``, in ms. Its default is the mean, which one
     slow call (an allocator or clock hiccup) can move by percents."""
@@ -28,6 +34,16 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, gra
 
 #: How many calls ``sustained_ms`` keeps queued ahead of the GPU.
 SUSTAINED_QUEUE = 8
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """``median_ms`` of each function in ``reps`` rounds, the order rotating between rounds; the
+    median of its rounds per function."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(reps):
+        for name in rotation(list(fns), rep):
+            times[name].append(median_ms(fns[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def sustained_ms(step: Callable[[], object], params: list[torch.Tensor], seconds: float) -> float:
