@@ -137,8 +137,8 @@ def backward_kernel(
     scalars = {"M": "i32", "N": "i32", "K": "i32", "NP": "i32", "gate_multiplier": "fp32"}
     scalars["down_multiplier"] = "fp32"
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    routed = {"t_ptr": "*i32", "used_ptr": "*i32", "s_ptr": pointer, "a_ptr": pointer, "r_ptr": "*fp32"}
-    routed["p_ptr"] = "*fp32"
+    routed = {"t_ptr": "*i32", "used_ptr": "*i32", "s_ptr": pointer, "a_ptr": pointer, "r_ptr": pointer}
+    routed["p_ptr"] = "*fp32"  # the routing weights come in x's dtype, their gradient in fp32
     for name, kind in routed.items():
         if experts:
             scalars[name] = kind
