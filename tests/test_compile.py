@@ -2,6 +2,7 @@
 custom ops inside autograd Functions, no graph break, the same results as the eager fused step, and
 never silently wrong on a second backward or a double backward."""
 
+import itertools
 import shutil
 
 import pytest
@@ -179,11 +180,12 @@ def test_backward_op_refuses_what_it_overwrote_before(device, glu):
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     if glu:
         _, kept = ops.swiglu_linear_forward(p.x, p.w_gate_up, 1.0, "factors", None, None)
-        args = (p.da, p.x, p.w_gate_up, kept, None, None, 1.0, "factors", True, True, False, False)
+        args = (p.da, p.x, p.w_gate_up, kept, None, None, 1.0, "factors", True, True, False, False, p.x.dtype)
         backward = ops.swiglu_linear_backward
     else:
         _, kept, _ = ops.swiglu_mlp_forward(p.x, p.w_gate_up, p.w_down, 1.0, 1.0, "preact")
-        args = (p.dy, p.x, p.w_gate_up, p.w_down, kept, None, 1.0, 1.0, "preact", True, True, True)
+        dtypes = (p.x.dtype, p.x.dtype)
+        args = (p.dy, p.x, p.w_gate_up, p.w_down, kept, None, 1.0, 1.0, "preact", True, True, True, *dtypes)
         backward = ops.swiglu_mlp_backward
     backward(*args)
     with pytest.raises(RuntimeError, match="already walked backward once"):
@@ -361,15 +363,18 @@ def test_backward_ops_fake_implementations_match(device, save, glu):
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x, w, wd = p.x, p.w_gate_up, p.w_down
     u, v = torch.randn(37, 16, device=device), torch.randn(144, 16, device=device)  # a low-rank term
-    for needs in [(True, True, save != "factors"), (True, False, False), (False, True, False)]:
+    # The weights' gradients in x's dtype, and in another (a parameter's own dtype under autocast).
+    cases = [(True, True, save != "factors"), (True, False, False), (False, True, False)]
+    for needs, grad_dtype in itertools.product(cases, (x.dtype, torch.float64)):
         if glu:
             _, kept = ops.swiglu_linear_forward(x, w, 0.5, save, u, v)
             grads = (*needs[:2], needs[0], not needs[0])  # dU with dX, dV without
-            op, args = ops.swiglu_linear_backward, (p.da, x, w, kept, u, v, 0.5, save, *grads)
+            op, args = ops.swiglu_linear_backward, (p.da, x, w, kept, u, v, 0.5, save, *grads, grad_dtype)
         else:
             _, kept, a = ops.swiglu_mlp_forward(x, w, wd, 0.5, 2.0, save)
             after = p.dy.t() @ a if save == "factors" else None  # dW_down, made before the op
-            op, args = ops.swiglu_mlp_backward, (p.dy, x, w, wd, kept, after, 0.5, 2.0, save, *needs)
+            dtypes = (grad_dtype, grad_dtype)
+            op, args = ops.swiglu_mlp_backward, (p.dy, x, w, wd, kept, after, 0.5, 2.0, save, *needs, *dtypes)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             fake = op(*fake_args)
@@ -377,6 +382,8 @@ def test_backward_ops_fake_implementations_match(device, save, glu):
         for r, f in zip(real, fake, strict=True):
             assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
             assert r.numel() == 0 or torch.isfinite(r).all()
+        weight_grads = real[1:2] if glu else real[1:]
+        assert all(g.dtype == grad_dtype for g in weight_grads if g.numel())
 
 
 @NEEDS_INDUCTOR

@@ -252,6 +252,33 @@ def test_autocast_casts_like_a_matmul(device, save):
     assert not failed, failed
 
 
+def _nodes_feeding_the_weights(out: torch.Tensor, count: int) -> list[str]:
+    """The autograd nodes that take the fused Function's weight gradients (its inputs 1..count)."""
+    node = out.grad_fn
+    while not type(node).__name__.startswith("SwiGLU"):
+        node = node.next_functions[0][0]
+    return [type(n).__name__ for n, _ in node.next_functions[1 : 1 + count]]
+
+
+@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+def test_weight_gradients_come_from_the_gemms_in_the_weights_dtype(device, save, glu):
+    """Under autocast the fp32 weights reach the fused Function uncast: its GEMMs make their
+    gradients in fp32 (no cast node between the op and the leaves, no 16-bit rounding of dW)."""
+    if glu and save == "preact":
+        pytest.skip("the GLU operator keeps the factors or nothing")
+    low = torch.float16 if device.type == "cpu" else torch.bfloat16
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    x, w, wd = (t.detach().requires_grad_() for t in (p.x, p.w_gate_up, p.w_down))
+    with torch.autocast(device.type, dtype=low):
+        out = swiglu_linear(x, w, save=save) if glu else swiglu_mlp(x, w, wd, save=save)
+    count = 1 if glu else 2
+    assert _nodes_feeding_the_weights(out, count) == ["AccumulateGrad"] * count
+    out.float().square().sum().backward()
+    for leaf in (w,) if glu else (w, wd):
+        assert leaf.grad.dtype == torch.float32 and torch.isfinite(leaf.grad).all()
+
+
 def test_glu_operator_under_autocast(device):
     """The GLU operator under autocast: the autocast dtype out, fp32 gradients, eager's accuracy."""
     low = torch.float16 if device.type == "cpu" else torch.bfloat16

@@ -14,7 +14,7 @@ import torch
 
 from . import ops
 from .layout import check_intermediate_size, pack_gate_up
-from .ops import SwiGLULinearFunction, SwiGLUMLPFunction
+from .ops import SwiGLULinearFunction, SwiGLUMLPFunction, cast_for_autocast, dtype_under_autocast
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
 from .support import fused_path_available
 
@@ -50,7 +50,13 @@ def _as_packed(gate_up_weight) -> torch.Tensor:
     return gate_up_weight
 
 
-def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor | None = None) -> None:
+def _validate(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> None:
+    """Raises for bad input; ``compute_dtype``: the autocast dtype the weights are cast to later."""
     named = {"x": x, "gate_up_weight": gate_up_weight}
     if down_weight is not None:
         named["down_weight"] = down_weight
@@ -61,7 +67,7 @@ def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
             raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-    if len({t.dtype for t in named.values()}) > 1:
+    if len({dtype_under_autocast(t, compute_dtype) for t in named.values()}) > 1:
         got = ", ".join(f"{n} {t.dtype}" for n, t in named.items())
         raise TypeError(f"x and the weights must share a dtype outside torch.autocast, got {got}")
     if len({t.device for t in named.values()}) > 1:
@@ -91,23 +97,20 @@ def _validate(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
     check_intermediate_size(two_inter // 2)
 
 
+def autocast_dtype(x) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts a matmul's inputs to on ``x``'s device; None outside it, for
+    meta tensors (which have no autocast) and for arguments that are not tensors (validation
+    reports those)."""
+    if not isinstance(x, torch.Tensor) or x.is_meta or not torch.is_autocast_enabled(x.device.type):
+        return None
+    return torch.get_autocast_dtype(x.device.type)
+
+
 def _autocast(*tensors):
-    """Inside ``torch.autocast``, cast like autocast casts a matmul's inputs: every floating tensor
-    except float64 goes to the autocast dtype (gradients flow back through the casts to the
-    original dtype). Outside it, or for arguments that are not tensors (validation reports those),
-    nothing changes."""
-    if not isinstance(tensors[0], torch.Tensor):
-        return tensors
-    device = tensors[0].device.type
-    if tensors[0].is_meta or not torch.is_autocast_enabled(device):  # meta tensors have no autocast
-        return tensors
-    dtype = torch.get_autocast_dtype(tensors[0].device.type)
-
-    def cast(t):
-        castable = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-        return t.to(dtype) if castable else t
-
-    return tuple(cast(t) for t in tensors)
+    """Inside ``torch.autocast``, cast like autocast casts a matmul's inputs (``cast_for_autocast``;
+    gradients flow back through the casts to the original dtype). Outside it nothing changes."""
+    dtype = autocast_dtype(tensors[0])
+    return tuple(cast_for_autocast(t, dtype) for t in tensors)
 
 
 def _needs_autograd(*args) -> bool:
@@ -142,14 +145,16 @@ def swiglu_mlp(
     Returns:
         ``[..., hidden]``, the dtype of ``x``.
 
-    Under ``torch.autocast``, x and the weights are cast to the autocast dtype first, like a matmul's
-    inputs. Under ``torch.no_grad()`` / ``torch.inference_mode()``, or when nothing requires grad,
-    nothing is saved. With ``"preact"``/``"factors"`` the result can be walked backward once (the backward
-    overwrites what was saved); ``create_graph`` is not supported.
+    Under ``torch.autocast``, x and the weights are cast to the autocast dtype, like a matmul's
+    inputs, and the weights' gradients come back in their own dtype. Under ``torch.no_grad()`` /
+    ``torch.inference_mode()``, or when nothing requires grad, nothing is saved. With
+    ``"preact"``/``"factors"`` the result can be walked backward once (the backward overwrites what
+    was saved); ``create_graph`` is not supported.
     """
     gate_up_weight = _as_packed(gate_up_weight)
-    x, gate_up_weight, down_weight = _autocast(x, gate_up_weight, down_weight)
-    _validate(x, gate_up_weight, down_weight)
+    compute_dtype = autocast_dtype(x)
+    x = cast_for_autocast(x, compute_dtype)
+    _validate(x, gate_up_weight, down_weight, compute_dtype)
     check_save_mode(save)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     down_multiplier = _check_multiplier("down_multiplier", down_multiplier)
@@ -157,14 +162,24 @@ def swiglu_mlp(
     x2d = x.reshape(-1, hidden)
 
     scalars = (gate_multiplier, down_multiplier)
-    if not fused_path_available(x2d, gate_up_weight):
-        y = reference_swiglu_mlp_packed(
-            x2d, gate_up_weight, down_weight, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier
-        )
-    elif _needs_autograd(x2d, gate_up_weight, down_weight):
-        y = SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, *scalars, save)
+    fused = fused_path_available(x2d, gate_up_weight)
+    if fused and _needs_autograd(x2d, gate_up_weight, down_weight):
+        # The Function casts the weights itself, so that their gradients come back in their own dtype.
+        y = SwiGLUMLPFunction.apply(x2d, gate_up_weight, down_weight, *scalars, save, compute_dtype)
     else:
-        y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
+        gate_up_weight, down_weight = (
+            cast_for_autocast(w, compute_dtype) for w in (gate_up_weight, down_weight)
+        )
+        if fused:
+            y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
+        else:
+            y = reference_swiglu_mlp_packed(
+                x2d,
+                gate_up_weight,
+                down_weight,
+                gate_multiplier=gate_multiplier,
+                down_multiplier=down_multiplier,
+            )
     return y.reshape(*x.shape[:-1], hidden)
 
 
@@ -199,21 +214,26 @@ def swiglu_linear(
     """
     gate_up_weight = _as_packed(gate_up_weight)
     u, v = (None, None) if low_rank is None else low_rank
-    x, gate_up_weight, u, v = _autocast(x, gate_up_weight, u, v)
-    _validate(x, gate_up_weight)
+    compute_dtype = autocast_dtype(x)
+    x, u, v = (cast_for_autocast(t, compute_dtype) for t in (x, u, v))
+    _validate(x, gate_up_weight, compute_dtype=compute_dtype)
     check_save_mode(save, LINEAR_SAVE_MODES)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     two_inter, hidden = gate_up_weight.shape
     x2d = x.reshape(-1, hidden)
     if low_rank is not None:
         u, v = _low_rank_2d(x, gate_up_weight, u, v)
-    if not fused_path_available(x2d, gate_up_weight):
-        low = None if u is None else (u, v)
-        a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier, low_rank=low)
-    elif _needs_autograd(x2d, gate_up_weight, u, v):
-        a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save, u, v)
+    fused = fused_path_available(x2d, gate_up_weight)
+    if fused and _needs_autograd(x2d, gate_up_weight, u, v):
+        # As in swiglu_mlp: the Function casts the weight, whose gradient comes back in its own dtype.
+        a = SwiGLULinearFunction.apply(x2d, gate_up_weight, gate_multiplier, save, u, v, compute_dtype)
     else:
-        a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier, u, v)
+        gate_up_weight = cast_for_autocast(gate_up_weight, compute_dtype)
+        if fused:
+            a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier, u, v)
+        else:
+            low = None if u is None else (u, v)
+            a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier, low_rank=low)
     return a.reshape(*x.shape[:-1], two_inter // 2)
 
 

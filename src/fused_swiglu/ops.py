@@ -28,6 +28,7 @@ from .passes import (
     linear_forward,
     mlp_backward_,
     mlp_forward,
+    mm_as,
     swiglu_linear_no_grad,
     swiglu_mlp_no_grad,
 )
@@ -128,30 +129,56 @@ swiglu_mlp_forward = define(
 
 @_on_tensor_device
 def _mlp_backward(
-    dy, x2d, gate_up_weight, down_weight, saved, after, gate_multiplier, down_multiplier, save, *needs
+    dy,
+    x2d,
+    gate_up_weight,
+    down_weight,
+    saved,
+    after,
+    gate_multiplier,
+    down_multiplier,
+    save,
+    *needs_and_dtypes,
 ):
-    """dX, the packed dW_gate_up and dW_down (empty where not needed); overwrites ``saved``. ``after``
-    is not read: it is what the op must run after (``SwiGLUMLPFunction.backward``)."""
+    """dX, the packed dW_gate_up and dW_down (empty where not needed; the weights' gradients in the
+    dtypes given); overwrites ``saved``. ``after`` is not read: it is what the op must run after
+    (``SwiGLUMLPFunction.backward``)."""
+    needs, grad_dtypes = needs_and_dtypes[:3], needs_and_dtypes[3:]
     kind = Saved.of(save)
     if kind != Saved.NOTHING:
         _overwrite_once(saved)
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(dy), tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), saved)
-    grads = mlp_backward_(*args, kind, multipliers, needs, ("mlp", *_signature(*args)))
+    grads = mlp_backward_(*args, kind, multipliers, needs, grad_dtypes, ("mlp", *_signature(*args)))
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
 def _mlp_backward_fake(
-    dy, x2d, gate_up_weight, down_weight, saved, after, gate_multiplier, down_multiplier, save, *needs
+    dy,
+    x2d,
+    gate_up_weight,
+    down_weight,
+    saved,
+    after,
+    gate_multiplier,
+    down_multiplier,
+    save,
+    *needs_and_dtypes,
 ):
+    needs, (gate_up_dtype, down_dtype) = needs_and_dtypes[:3], needs_and_dtypes[3:]
     shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
-    return tuple(x2d.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
+    dtypes = (x2d.dtype, gate_up_dtype, down_dtype)
+    return tuple(
+        x2d.new_empty(shape, dtype=dtype) if need else x2d.new_empty(0)
+        for shape, need, dtype in zip(shapes, needs, dtypes, strict=True)
+    )
 
 
 swiglu_mlp_backward = define(
     "swiglu_mlp_backward(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, Tensor saved, "
     "Tensor? after, float gate_multiplier, float down_multiplier, str save, bool need_dx, "
-    "bool need_dw_gate_up, bool need_dw_down) -> (Tensor, Tensor, Tensor)",
+    "bool need_dw_gate_up, bool need_dw_down, ScalarType dw_gate_up_dtype, ScalarType dw_down_dtype) "
+    "-> (Tensor, Tensor, Tensor)",
     _mlp_backward,
     _mlp_backward_fake,
 )
@@ -212,30 +239,34 @@ swiglu_linear_forward = define(
 
 
 @_on_tensor_device
-def _linear_backward(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs):
-    """dX, the packed dW_gate_up, dU and dV (empty where not needed); overwrites ``factors``."""
+def _linear_backward(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs_and_dtype):
+    """dX, the packed dW_gate_up (in the dtype given), dU and dV (empty where not needed); overwrites
+    ``factors``."""
+    needs, dw_dtype = needs_and_dtype[:4], needs_and_dtype[4]
     kind = Saved.of(save)
     if kind != Saved.NOTHING:
         _overwrite_once(factors)
     args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors)
     low_rank = _low_rank(u, v)
     key = ("glu", *_signature(*args, *(low_rank or ())))
-    grads = linear_backward_(*args, kind, gate_multiplier, needs, key, low_rank)
+    grads = linear_backward_(*args, kind, gate_multiplier, needs, dw_dtype, key, low_rank)
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
-def _linear_backward_fake(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs):
+def _linear_backward_fake(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs_and_dtype):
+    needs, dw_dtype = needs_and_dtype[:4], needs_and_dtype[4]
     shapes = (x2d.shape, gate_up_weight.shape, None if u is None else u.shape, None if v is None else v.shape)
+    dtypes = (x2d.dtype, dw_dtype, x2d.dtype, x2d.dtype)
     return tuple(
-        x2d.new_empty(shape if need and shape is not None else (0,))
-        for shape, need in zip(shapes, needs, strict=True)
+        x2d.new_empty(shape, dtype=dtype) if need and shape is not None else x2d.new_empty(0)
+        for shape, need, dtype in zip(shapes, needs, dtypes, strict=True)
     )
 
 
 swiglu_linear_backward = define(
     "swiglu_linear_backward(Tensor da, Tensor x2d, Tensor gate_up_weight, Tensor factors, Tensor? u, "
-    "Tensor? v, float gate_multiplier, str save, bool need_dx, bool need_dw, bool need_du, bool need_dv) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? v, float gate_multiplier, str save, bool need_dx, bool need_dw, bool need_du, bool need_dv, "
+    "ScalarType dw_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
     _linear_backward,
     _linear_backward_fake,
 )
@@ -268,11 +299,41 @@ def _saved_tensors(ctx) -> tuple[torch.Tensor, ...]:
     return saved
 
 
+def dtype_under_autocast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``torch.autocast`` casts a matmul's input ``t`` to, ``dtype`` the autocast dtype:
+    floating tensors other than float64 go to it; anything else, or any ``t`` when ``dtype`` is None
+    (outside autocast), keeps its own."""
+    castable = dtype is not None and t.is_floating_point() and t.dtype != torch.float64
+    return dtype if castable else t.dtype
+
+
+def cast_for_autocast(t, dtype: torch.dtype | None):
+    """``t`` cast as ``dtype_under_autocast`` says (arguments that are not tensors unchanged)."""
+    return t.to(dtype_under_autocast(t, dtype)) if isinstance(t, torch.Tensor) else t
+
+
 class SwiGLUMLPFunction(torch.autograd.Function):
-    """y = down_multiplier * (silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)) @ Wd^T, weights packed."""
+    """y = down_multiplier * (silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)) @ Wd^T, weights packed.
+
+    Under autocast the weights come in their own dtype and are cast here (``compute_dtype``), so
+    that the backward's GEMMs make their gradients in that dtype (``mm_as``): with fp32 weights,
+    straight from the fp32 accumulator rather than rounded to 16 bits and cast by autograd after."""
 
     @staticmethod
-    def forward(ctx, x2d, gate_up_weight, down_weight, gate_multiplier: float, down_multiplier: float, save):
+    def forward(
+        ctx,
+        x2d,
+        gate_up_weight,
+        down_weight,
+        gate_multiplier: float,
+        down_multiplier: float,
+        save,
+        compute_dtype,
+    ):
+        ctx.grad_dtypes = (gate_up_weight.dtype, down_weight.dtype)
+        gate_up_weight, down_weight = (
+            cast_for_autocast(w, compute_dtype) for w in (gate_up_weight, down_weight)
+        )
         scalars = (gate_multiplier, down_multiplier, save)
         y, saved, a = swiglu_mlp_forward(x2d, gate_up_weight, down_weight, *scalars)
         # a is saved for dW_down only (with saved factors): not saved when the down weight is frozen.
@@ -295,24 +356,29 @@ class SwiGLUMLPFunction(torch.autograd.Function):
             # dW_down = dY^T @ a (a carries the down multiplier) first: a's last use, so a compiled
             # backward drops a before the backward op allocates the two largest gradients. The op
             # takes dW_down as `after` so that the compiler cannot move this GEMM past it.
-            dw_down = torch.mm(dy.t(), a)
+            dw_down = mm_as(dy.t(), a, ctx.grad_dtypes[1])
             if eager:
                 # Autograd holds saved tensors until the backward returns: release a now.
                 a.untyped_storage().resize_(0)
         del a
         needs = (need_dx, need_dw_gate_up, need_dw_down and dw_down is None)
         weights = (gate_up_weight, down_weight)
-        grads = swiglu_mlp_backward(dy, x2d, *weights, saved, dw_down, *ctx.scalars, *needs)
+        grads = swiglu_mlp_backward(dy, x2d, *weights, saved, dw_down, *ctx.scalars, *needs, *ctx.grad_dtypes)
         dx, dw_gate_up, op_dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
-        return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None
+        return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None, None
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
     """a = silu(gate_multiplier * g) * u from the packed pre-activation [u | g] = x @ W^T (+ u_lr @ v^T,
-    a low-rank term, if given): the GLU half alone."""
+    a low-rank term, if given): the GLU half alone. The weight is cast here under autocast, as in
+    ``SwiGLUMLPFunction``."""
 
     @staticmethod
-    def forward(ctx, x2d, gate_up_weight, gate_multiplier: float, save: str, u=None, v=None):
+    def forward(
+        ctx, x2d, gate_up_weight, gate_multiplier: float, save: str, u=None, v=None, compute_dtype=None
+    ):
+        ctx.dw_dtype = gate_up_weight.dtype
+        gate_up_weight = cast_for_autocast(gate_up_weight, compute_dtype)
         a, factors = swiglu_linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v)
         ctx.save_for_backward(x2d, gate_up_weight, factors, u, v)
         ctx.scalars = (gate_multiplier, save)
@@ -322,6 +388,6 @@ class SwiGLULinearFunction(torch.autograd.Function):
     def backward(ctx, da):
         _refuse_double_backward()
         needs = (*ctx.needs_input_grad[:2], *ctx.needs_input_grad[4:6])
-        grads = swiglu_linear_backward(da, *_saved_tensors(ctx), *ctx.scalars, *needs)
+        grads = swiglu_linear_backward(da, *_saved_tensors(ctx), *ctx.scalars, *needs, ctx.dw_dtype)
         dx, dw, du, dv = (g if need else None for g, need in zip(grads, needs, strict=True))
-        return dx, dw, None, None, du, dv
+        return dx, dw, None, None, du, dv, None

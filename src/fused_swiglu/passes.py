@@ -50,6 +50,20 @@ from .kernels.glu_split import glu_backward_split_, glu_forward_split
 RECOMPUTE_PIECES = 2
 
 
+def mm_as(
+    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b`` in ``dtype``, a weight gradient in its parameter's dtype: on a GPU, 16-bit operands
+    and an fp32 result, cuBLAS writes it from its fp32 accumulator (no rounding to 16 bits, no cast
+    pass after); elsewhere the product is cast."""
+    if dtype == a.dtype:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype, out=out)
+    product = torch.mm(a, b)
+    return product.to(dtype) if out is None else out.copy_(product)
+
+
 def _recompute_pieces(inter: int) -> tuple[int, int]:
     """How many pieces of how many intermediate columns: whole packed chunks each, else one piece."""
     pieces = RECOMPUTE_PIECES if inter % (RECOMPUTE_PIECES * CHUNK) == 0 else 1
@@ -114,22 +128,26 @@ def mlp_forward(x, w_gate_up, w_down, save: Saved, multipliers: dict, caller_key
     return y, saved, a if save == Saved.FACTORS else None
 
 
-def mlp_backward_(dy, x, w_gate_up, w_down, saved, save: Saved, multipliers: dict, needs, caller_key=None):
-    """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed.
+def mlp_backward_(
+    dy, x, w_gate_up, w_down, saved, save: Saved, multipliers: dict, needs, grad_dtypes, caller_key=None
+):
+    """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed, the
+    weights' gradients in ``grad_dtypes`` (their parameters' dtypes).
 
     Overwrites ``saved`` with the packed pre-activation gradient. With saved factors, dW_down needs
     ``a``, which the caller holds: it makes dW_down itself, and ``needs`` must not ask for it here.
     """
     need_dx, need_dw_gate_up, need_dw_down = needs
+    gate_up_dtype, down_dtype = grad_dtypes
     if save == Saved.NOTHING:
-        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, *needs)
+        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, *needs, grad_dtypes)
     assert not (save == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
     # a, recomputed for saved pre-activations
     recomputed = _backward_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
-    dw_down = torch.mm(dy.t(), recomputed) if need_dw_down else None
+    dw_down = mm_as(dy.t(), recomputed, down_dtype) if need_dw_down else None
     del recomputed
     dx = torch.mm(saved, w_gate_up) if need_dx else None  # saved now holds [dU | dG], packed
-    dw_gate_up = torch.mm(saved.t(), x) if need_dw_gate_up else None
+    dw_gate_up = mm_as(saved.t(), x, gate_up_dtype) if need_dw_gate_up else None
     return dx, dw_gate_up, dw_down
 
 
@@ -140,27 +158,38 @@ def linear_forward(x, w_gate_up, gate_multiplier: float, save: Saved, caller_key
 
 
 def linear_backward_(
-    da, x, w_gate_up, factors, save: Saved, gate_multiplier: float, needs, caller_key=None, low_rank=None
+    da,
+    x,
+    w_gate_up,
+    factors,
+    save: Saved,
+    gate_multiplier: float,
+    needs,
+    dw_dtype,
+    caller_key=None,
+    low_rank=None,
 ):
     """(dX, packed dW_gate_up, dU, dV), each ``None`` where ``needs`` says it is not needed (or there is
-    no low-rank term); overwrites the saved ``factors`` with the packed pre-activation gradient."""
+    no low-rank term), dW in ``dw_dtype``; overwrites the saved ``factors`` with the packed
+    pre-activation gradient."""
     if save == Saved.NOTHING:
-        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, needs, low_rank)
+        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, needs, dw_dtype, low_rank)
     grad = glu_grad_(da, factors, caller_key=caller_key)  # [dU | dG], over the factors
-    return _glu_grads(grad, x, w_gate_up, needs, low_rank)
+    return _glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank)
 
 
-def _glu_grads(grad, x, w_gate_up, needs, low_rank, out=None):
-    """dX, dW_gate_up, dU, dV from the packed pre-activation gradient ``grad`` (of the weight rows
-    ``w_gate_up`` and ``low_rank``'s v cover). With ``out`` = (dX, dW, dU, dV) buffers, dX and dU are
-    accumulated into and dW and dV written (the recompute pieces); the results are returned."""
+def _glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank, out=None):
+    """dX, dW_gate_up (in ``dw_dtype``), dU, dV from the packed pre-activation gradient ``grad`` (of
+    the weight rows ``w_gate_up`` and ``low_rank``'s v cover). With ``out`` = (dX, dW, dU, dV)
+    buffers, dX and dU are accumulated into and dW and dV written (the recompute pieces); the results
+    are returned."""
     need_dx, need_dw, need_du, need_dv = needs
     u, v = low_rank if low_rank is not None else (None, None)
     dx, dw, du, dv = out if out is not None else (None,) * 4
     if need_dx:
         dx = torch.mm(grad, w_gate_up) if dx is None else dx.addmm_(grad, w_gate_up)
     if need_dw:
-        dw = torch.mm(grad.t(), x, out=dw)
+        dw = mm_as(grad.t(), x, dw_dtype, out=dw)
     if u is not None and need_du:
         du = torch.mm(grad, v) if du is None else du.addmm_(grad, v)
     if u is not None and need_dv:
@@ -168,15 +197,18 @@ def _glu_grads(grad, x, w_gate_up, needs, low_rank, out=None):
     return dx, dw, du, dv
 
 
-def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, need_dx, need_dw_gate_up, need_dw_down):
+def _mlp_grads_recomputed(
+    x, w_gate_up, w_down, dy, multipliers, need_dx, need_dw_gate_up, need_dw_down, grad_dtypes
+):
     """dX and the packed dW_gate_up and dW_down of the MLP, ``a`` and the factors recomputed piece by
     piece: piece k covers intermediate columns [k * width, (k + 1) * width), packed weight rows
     [2k * width, 2(k + 1) * width) (whole chunks). Factors rather than pre-activations: the forward
     kernel writes a and the factors at the cost of one, and they make the backward epilogue cheaper."""
     pieces, width = _recompute_pieces(w_down.shape[1])
     dx = None
-    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw_gate_up else None
-    dw_down = empty(tuple(w_down.shape), x) if need_dw_down else None
+    gate_up_dtype, down_dtype = grad_dtypes
+    dw_gate_up = empty(tuple(w_gate_up.shape), x, gate_up_dtype) if need_dw_gate_up else None
+    dw_down = empty(tuple(w_down.shape), x, down_dtype) if need_dw_down else None
     for k in range(pieces):
         rows, cols = slice(2 * k * width, 2 * (k + 1) * width), slice(k * width, (k + 1) * width)
         w_piece = w_gate_up[rows]  # row and column blocks of TMA-ready weights stay TMA-ready
@@ -185,24 +217,24 @@ def _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, need_dx, need_d
             dy, w_down[:, cols], grad, save=Saved.FACTORS, **multipliers
         )  # grad: the piece's [dU | dG]
         if need_dw_down:
-            torch.mm(dy.t(), a, out=dw_down[:, cols])  # a carries the down multiplier
+            mm_as(dy.t(), a, down_dtype, out=dw_down[:, cols])  # a carries the down multiplier
         del a
         if need_dw_gate_up:
-            torch.mm(grad.t(), x, out=dw_gate_up[rows])
+            mm_as(grad.t(), x, gate_up_dtype, out=dw_gate_up[rows])
         if need_dx:
             dx = torch.mm(grad, w_piece) if dx is None else dx.addmm_(grad, w_piece)
         del grad  # before the next piece is made
     return dx, dw_gate_up, dw_down
 
 
-def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, low_rank):
+def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, dw_dtype, low_rank):
     """dX, the packed dW, dU and dV of the GLU operator, its factors recomputed piece by piece (as
     above): each piece's factors become its packed gradient in place, give dW's (and dV's) rows of the
     piece and add the piece's terms to dX (and dU), and are released."""
     pieces, width = _recompute_pieces(da.shape[1])
     need_dx, need_dw, need_du, need_dv = needs
     u, v = low_rank if low_rank is not None else (None, None)
-    dw_gate_up = empty(tuple(w_gate_up.shape), x) if need_dw else None
+    dw_gate_up = empty(tuple(w_gate_up.shape), x, dw_dtype) if need_dw else None
     dv = empty(tuple(v.shape), u) if u is not None and need_dv else None
     dx = du = None
     for k in range(pieces):
@@ -219,6 +251,6 @@ def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, low_r
         )
         glu_grad_(da[:, k * width : (k + 1) * width], grad)  # in place: the piece's [dU | dG]
         out = (dx, None if dw_gate_up is None else dw_gate_up[rows], du, None if dv is None else dv[rows])
-        dx, _, du, _ = _glu_grads(grad, x, w_gate_up[rows], needs, piece_low_rank, out)
+        dx, _, du, _ = _glu_grads(grad, x, w_gate_up[rows], needs, dw_dtype, piece_low_rank, out)
         del grad  # before the next piece is made
     return dx, dw_gate_up, du, dv

@@ -34,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
 from ..kernels.combine import GPU_BLOCK as COMBINE_BLOCK
+from ..kernels.combine import GPU_WARPS as COMBINE_WARPS
 from ..kernels.combine import _combine_kernel
 from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         signature = {name: signature[name] for name in _combine_kernel.arg_names}
         constants = {"K": top_k, "BT": COMBINE_BLOCK[0], "BH": COMBINE_BLOCK[1]}
         source = ASTSource(_combine_kernel, signature, constants)
-        kernel = triton.compile(source, target=target, options={"num_warps": 4})
+        kernel = triton.compile(source, target=target, options={"num_warps": COMBINE_WARPS})
         tile = "x".join(map(str, COMBINE_BLOCK))
         if not _report(
             f"bfloat16 combine top-{top_k} (routed experts)", tile, resources(kernel), "tf32", limit

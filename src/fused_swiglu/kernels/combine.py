@@ -47,8 +47,10 @@ def _combine_kernel(
 
 _launch_combine = KernelLauncher(_combine_kernel)
 
-#: Tokens and columns of one program's block on the GPU.
-GPU_BLOCK = (16, 256)
+#: Tokens and columns of one program's block on the GPU, and its warps: at top-8 the eight rows'
+#: loads in flight stay within 128 registers a thread, which a 16-token block exceeded (it spilled).
+GPU_BLOCK = (8, 256)
+GPU_WARPS = 4
 
 
 def combine(src: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -77,6 +79,6 @@ def combine(src: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
         K=k,
         BT=block_t,
         BH=block_h,
-        num_warps=4,
+        num_warps=GPU_WARPS,
     )
     return out

@@ -58,9 +58,10 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Every buffer a launcher hands to a kernel comes from here (tests poison it with NaN)."""
-    return like.new_empty(shape)
+def empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every buffer a launcher hands to a kernel comes from here, on ``like``'s device, in ``dtype``
+    (``like``'s by default): ``torch.empty``, which the tests fill with NaN."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def gradient_target(saved: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
