@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 # (M, hidden, intermediate). Hidden and intermediate are multiples of 8 but not of the interpreter
 # tile (16) or the GPU tiles (64/128), M includes 1 and sizes that leave ragged row tiles.
@@ -27,3 +28,8 @@ def dtypes_for(device: torch.device):
     if device.type == "cuda":
         return [torch.bfloat16, torch.float16, torch.float32]
     return [torch.float32, torch.float16]
+
+
+#: Scalar multipliers for the fuzz tests: away from zero, where the products underflow to subnormals
+#: (a multiplier of 1e-38 makes fp32 outputs of 1e-39) and no relative-error rule holds.
+MULTIPLIER_VALUES = st.floats(-2, 2).filter(lambda v: abs(v) > 1e-3)
