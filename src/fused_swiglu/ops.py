@@ -308,8 +308,12 @@ def dtype_under_autocast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dt
 
 
 def cast_for_autocast(t, dtype: torch.dtype | None):
-    """``t`` cast as ``dtype_under_autocast`` says (arguments that are not tensors unchanged)."""
-    return t.to(dtype_under_autocast(t, dtype)) if isinstance(t, torch.Tensor) else t
+    """``t`` cast as ``dtype_under_autocast`` says (arguments that are not tensors unchanged). Outside
+    autocast it returns at once: every eager call passes here three times."""
+    if dtype is None or not isinstance(t, torch.Tensor):
+        return t
+    target = dtype_under_autocast(t, dtype)
+    return t if target == t.dtype else t.to(target)
 
 
 class SwiGLUMLPFunction(torch.autograd.Function):
