@@ -13,7 +13,7 @@ from .coldstart import cold_start_seconds, experts_cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
 from .experts import EXPERT_IMPLS, EXPERT_SHAPES, ROUTINGS, experts_table, measure_experts
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
-from .host import measure_host_time
+from .host import HOST_PRECISIONS, measure_host_time
 from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
 from .model import (
@@ -123,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         nargs="*",
         metavar="N",
-        help="also time the host side of one eager training call of each MLP at HIDDEN INTER ROWS "
+        help="also time the host side of one training call of each MLP, eager and compiled, bf16 and "
+        "under autocast, at HIDDEN INTER ROWS "
         "(default: 1024 2816 16, small enough that the GPU waits for the host)",
     )
     model = parser.add_argument_group(
@@ -318,17 +319,29 @@ def _decode_section(
 
 def _host_time_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
     hidden, inter, rows = args.host_time or (1024, 2816, 16)
-    title = f"Host time of one eager training call (hidden={hidden}, intermediate={inter}, {rows} rows)"
+    title = f"Host time of one training call (hidden={hidden}, intermediate={inter}, {rows} rows)"
     print(f"\n{title}", flush=True)
-    found = measure_host_time(hidden, inter, rows, reps=args.reps, log=lambda s: print(s, flush=True))
+    found = [
+        row
+        for precision in HOST_PRECISIONS
+        for row in measure_host_time(
+            hidden, inter, rows, precision=precision, reps=args.reps, log=lambda s: print(s, flush=True)
+        )
+    ]
     extra_json["host_time"] = found
     from ..tables import format_table
 
-    table = format_table(["impl", "us per call"], [[r["impl"], r["host_us"]] for r in found], True)
+    cells = [
+        [r["impl"], r["precision"], r["host_us"], f"{r['host_us_min']:.1f}-{r['host_us_max']:.1f}"]
+        for r in found
+    ]
+    table = format_table(["impl", "precision", "us per call", "min-max"], cells, True)
     return [
         f"## {title}",
         "",
-        "Calls back to back, wall time per call (host-bound at this size).",
+        "Calls back to back, wall time per call (host-bound at this size); each call's gradients set to "
+        "None after it, as `zero_grad` does. `bf16`: every tensor bf16; `autocast`: fp32 weights under "
+        "bf16 autocast, as in `bench --model`.",
         "",
         table,
         "",
