@@ -261,3 +261,32 @@ def test_start_gpu_log_says_what_a_script_needs_without_a_gpu(monkeypatch, capsy
     monkeypatch.setattr(report.torch.cuda, "is_available", lambda: False)
     assert report.start_gpu_log("abc", "this script needs a CUDA GPU") is None
     assert capsys.readouterr().out == "this script needs a CUDA GPU\n"
+
+
+def test_host_time_section_compares_each_call_with_stock_run_the_same_way(monkeypatch):
+    import argparse
+
+    from fused_swiglu.bench import run
+    from fused_swiglu.bench.host import HOST_IMPLS
+
+    us = {"eager": 500.0, "torch.compile": 800.0, "fused-factors": 600.0, "fused-compiled": 1000.0}
+
+    def fake(hidden, inter, rows, *, precision, reps, log):
+        scale = 2.0 if precision == "autocast" else 1.0  # the two precisions must not be mixed up
+        return [
+            {"impl": i, "precision": precision, "host_us": us.get(i, 700.0) * scale, "host_us_min": 1.0,
+             "host_us_max": 2.0, "rows": rows}
+            for i in HOST_IMPLS
+        ]  # fmt: skip
+
+    monkeypatch.setattr(run, "measure_host_time", fake)
+    extra: dict = {}
+    lines = run._host_time_section(argparse.Namespace(host_time=[64, 128, 16], reps=1), extra)
+    text = "\n".join(lines).splitlines()
+    table = [line.split("|")[1:-1] for line in text if line.startswith("| ")][1:]
+    ratios = {(cells[0].strip(), cells[1].strip()): float(cells[4]) for cells in table}
+    for precision in ("bf16", "autocast"):
+        assert ratios[("fused-factors", precision)] == pytest.approx(1.2)
+        assert ratios[("fused-compiled", precision)] == pytest.approx(1.25)
+        assert ratios[("torch.compile", precision)] == pytest.approx(1.0)
+    assert len(extra["host_time"]) == 2 * len(HOST_IMPLS)

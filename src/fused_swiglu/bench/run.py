@@ -331,17 +331,26 @@ def _host_time_section(args: argparse.Namespace, extra_json: dict) -> list[str]:
     extra_json["host_time"] = found
     from ..tables import format_table
 
+    # Each against stock PyTorch run the same way: compiled against torch.compile, eager against eager.
+    stock = {(r["impl"], r["precision"]): r["host_us"] for r in found}
     cells = [
-        [r["impl"], r["precision"], r["host_us"], f"{r['host_us_min']:.1f}-{r['host_us_max']:.1f}"]
+        [
+            r["impl"],
+            r["precision"],
+            r["host_us"],
+            f"{r['host_us_min']:.1f}-{r['host_us_max']:.1f}",
+            r["host_us"] / stock[("torch.compile" if "compile" in r["impl"] else "eager", r["precision"])],
+        ]
         for r in found
     ]
-    table = format_table(["impl", "precision", "us per call", "min-max"], cells, True)
+    table = format_table(["impl", "precision", "us per call", "min-max", "vs stock"], cells, True)
     return [
         f"## {title}",
         "",
         "Calls back to back, wall time per call (host-bound at this size); each call's gradients set to "
         "None after it, as `zero_grad` does. `bf16`: every tensor bf16; `autocast`: fp32 weights under "
-        "bf16 autocast, as in `bench --model`.",
+        "bf16 autocast, as in `bench --model`. vs stock: over eager PyTorch's call, compiled ones over "
+        "`torch.compile`'s.",
         "",
         table,
         "",
