@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from fused_swiglu import SwiGLUExperts, swiglu_experts
 from fused_swiglu.experts import pack_experts, reference_swiglu_experts, unpack_experts
 from fused_swiglu.kernels.configs import EXPERT_ROWS
+from fused_swiglu.layout import CHUNK
 from fused_swiglu.routing import max_tiles, route
 from fused_swiglu.testing import accuracy_rows, relative_error
 
@@ -441,7 +442,28 @@ def test_fuzz_against_the_reference(tokens, hidden, inter, experts, top_k, preci
         return
     eager = step(reference_swiglu_experts, *args, precision)
     rows = accuracy_rows(got, eager, oracle, precision)
-    assert all(row.ok for row in rows), rows
+    scale = routing_weight_gradient_scale(*args)
+    bound = torch.finfo(precision).eps * scale.norm()  # two unit roundoffs per product
+    within_rounding = (got["weights"].double() - oracle["weights"]).norm() <= bound  # NaN: False
+    assert all(row.ok or (row.name == "weights" and within_rounding) for row in rows), (rows, bound)
+
+
+def routing_weight_gradient_scale(x, index, weights, gate_up, down, dy) -> torch.Tensor:
+    """Per routed slot, sum_i |g_i a_i| in float64 (g = dy @ W_down, a the SwiGLU of the slot's
+    expert): the scale of the rounding error of that slot's routing-weight gradient, one dot
+    product sum_i g_i a_i. Where the products cancel, a 16-bit result's error against float64 is one
+    draw of a rounding error this large, for eager PyTorch as for the library; a tensor of one or two
+    such gradients is then no fair test of the 2x-eager rule, and the test falls back to the dot
+    product's own rounding bound for that gradient only."""
+    inter = down.shape[2]
+    scale = torch.empty(index.shape, dtype=torch.float64)
+    for t, k in torch.cartesian_prod(torch.arange(index.shape[0]), torch.arange(index.shape[1])).tolist():
+        e = int(index[t, k])
+        packed = gate_up[e].double() @ x[t].double()
+        up, gate = packed.view(inter // CHUNK, 2, CHUNK).unbind(1)
+        a = (torch.nn.functional.silu(gate) * up).reshape(inter)
+        scale[t, k] = ((dy[t].double() @ down[e].double()) * a).abs().sum()
+    return scale
 
 
 def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
@@ -471,7 +493,7 @@ def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
 
 def _routed_backward_reference(dy_rows, down, preact, weights_of_row, expert_of_row):
     """float64: the gradient of a * w per row, the routing weights' gradient, a * w and [dU | dG]."""
-    from fused_swiglu.layout import CHUNK, split_packed_columns
+    from fused_swiglu.layout import split_packed_columns
 
     dy_rows, down, preact, w = (t.double() for t in (dy_rows, down, preact, weights_of_row))
     da_w = torch.bmm(dy_rows[:, None, :], down[expert_of_row])[:, 0]  # [P, I]
