@@ -2,9 +2,9 @@
 
 Run on the GPU: ``python benchmarks/mlp_call_host_breakdown.py [--rows N] [--hidden H] [--inter I]``.
 At a few rows the GPU waits for the host, so wall time per call is host time. Timers wrap the
-fused ops' passes (``ops.mlp_forward``, ``ops.mlp_backward_``), the direct kernel launch
+fused ops' passes (``ops.glu_pass``, ``ops.mlp_gradient_``), the direct kernel launch
 (``KernelLauncher._run``), the host descriptor encoder (called only when a descriptor is not
-cached) and the GEMMs the passes issue (``torch.mm`` as ``passes`` sees it), and count launches
+cached) and the GEMMs the Functions issue (``torch.mm`` as ``ops`` and ``passes`` see it), and count launches
 that went through Triton's own launcher. Cases, in rotating rounds: the eager ``SwiGLUMLP``
 training call under bf16 autocast with fp32 weights (as ``bench --model`` trains); the two ops
 called alone in a loop, as they are, under autocast, under ``no_grad`` and with new input tensors
@@ -46,32 +46,32 @@ def _timed(name: str, fn):
 
 
 class _TorchWithTimedMm(types.ModuleType):
-    """``torch`` as ``passes`` sees it, its ``mm`` timed."""
+    """``torch`` as ``ops`` and ``passes`` see it, its ``mm`` timed."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
 
 ORIGINAL = {
-    "forward": ops.mlp_forward,
-    "backward": ops.mlp_backward_,
+    "forward": ops.glu_pass,
+    "backward": ops.mlp_gradient_,
     "run": launch.KernelLauncher._run,
     "through_triton": launch.KernelLauncher._through_triton,
     "encode": launch._encode,
 }
 TIMED_TORCH = _TorchWithTimedMm("torch")
-TIMED_TORCH.mm = _timed("torch.mm in passes", torch.mm)
+TIMED_TORCH.mm = _timed("torch.mm", torch.mm)
 
 
 def timers(on: bool) -> None:
     """Install (or remove) the timers."""
-    ops.mlp_forward = _timed("forward passes", ORIGINAL["forward"]) if on else ORIGINAL["forward"]
-    ops.mlp_backward_ = _timed("backward passes", ORIGINAL["backward"]) if on else ORIGINAL["backward"]
+    ops.glu_pass = _timed("forward pass", ORIGINAL["forward"]) if on else ORIGINAL["forward"]
+    ops.mlp_gradient_ = _timed("gradient pass", ORIGINAL["backward"]) if on else ORIGINAL["backward"]
     launch.KernelLauncher._run = _timed("direct launch", ORIGINAL["run"]) if on else ORIGINAL["run"]
     slow = _timed("through Triton's launcher", ORIGINAL["through_triton"])
     launch.KernelLauncher._through_triton = slow if on else ORIGINAL["through_triton"]
     launch._encode = _timed("descriptor encoded", ORIGINAL["encode"]) if on else ORIGINAL["encode"]
-    passes.torch = TIMED_TORCH if on else torch
+    passes.torch = ops.torch = TIMED_TORCH if on else torch
 
 
 def cases(rows: int, hidden: int, inter: int) -> dict[str, tuple[object, bool]]:
@@ -100,9 +100,11 @@ def cases(rows: int, hidden: int, inter: int) -> dict[str, tuple[object, bool]]:
 
     def ops_alone() -> None:
         x2d, gate_up, down = inputs["x"], inputs["gate_up"], inputs["down"]
-        y, saved, _ = ops.swiglu_mlp_forward(x2d, gate_up, down, 1.0, 1.0, "factors")
-        grads = (True, True, False, torch.float32, torch.float32)
-        ops.swiglu_mlp_backward(y, x2d, gate_up, down, saved, None, 1.0, 1.0, "factors", *grads)
+        a, saved = ops.glu_forward(x2d, gate_up, 1.0, 1.0, "factors", None, None)
+        y = torch.mm(a, down.t())
+        grad, _ = ops.mlp_gradient(y, down, saved, 1.0, 1.0, "factors")
+        torch.mm(grad, gate_up)
+        passes.mm_as(grad.t(), x2d, torch.float32)
 
     def ops_under_autocast() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):

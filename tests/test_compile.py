@@ -2,7 +2,6 @@
 custom ops inside autograd Functions, no graph break, the same results as the eager fused step, and
 never silently wrong on a second backward or a double backward."""
 
-import itertools
 import shutil
 
 import pytest
@@ -174,22 +173,29 @@ def test_eager_second_backward_is_refused(device, save, glu):
         walk_twice(fn(*leaves), seed, leaves)
 
 
-@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
-def test_backward_op_refuses_what_it_overwrote_before(device, glu):
-    """The backward op itself refuses a kept tensor it has overwritten, whatever hands it over again."""
-    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+def kept_and_gradient_op(p, glu, save):
+    """What the forward op kept on ``p``, and the gradient op with its arguments."""
+    _, kept = ops.glu_forward(p.x, p.w_gate_up, 0.5, 1.0 if glu else 2.0, save, None, None)
     if glu:
-        _, kept = ops.swiglu_linear_forward(p.x, p.w_gate_up, 1.0, "factors", None, None)
-        args = (p.da, p.x, p.w_gate_up, kept, None, None, 1.0, "factors", True, True, False, False, p.x.dtype)
-        backward = ops.swiglu_linear_backward
-    else:
-        _, kept, _ = ops.swiglu_mlp_forward(p.x, p.w_gate_up, p.w_down, 1.0, 1.0, "preact")
-        dtypes = (p.x.dtype, p.x.dtype)
-        args = (p.dy, p.x, p.w_gate_up, p.w_down, kept, None, 1.0, 1.0, "preact", True, True, True, *dtypes)
-        backward = ops.swiglu_mlp_backward
-    backward(*args)
+        return kept, ops.glu_gradient, (p.da, kept)
+    return kept, ops.mlp_gradient, (p.dy, p.w_down, kept, 0.5, 2.0, save)
+
+
+@pytest.mark.parametrize("save", ["factors", "preact"])
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+def test_gradient_op_writes_over_what_the_forward_kept_once(device, save, glu):
+    """The gradient op returns the packed gradient in the kept tensor's memory, and refuses a kept
+    tensor it has overwritten, whatever hands it over again."""
+    if glu and save == "preact":
+        pytest.skip("the GLU operator keeps the factors or nothing")
+    p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
+    kept, op, args = kept_and_gradient_op(p, glu, save)
+    out = op(*args)
+    grad = out if glu else out[0]
+    assert grad.data_ptr() == kept.data_ptr() and grad.shape == kept.shape
+    assert torch.isfinite(grad).all()
     with pytest.raises(RuntimeError, match="already walked backward once"):
-        backward(*args)
+        op(*args)
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager", INDUCTOR])
@@ -201,21 +207,20 @@ def test_backward_overwrites_what_the_forward_kept(device, save, backend, glu, m
     if glu and save == "preact":
         pytest.skip("the GLU operator keeps the factors or nothing")
     torch._dynamo.reset()
-    name = "linear_backward_" if glu else "mlp_backward_"
-    forward_name = "linear_forward" if glu else "mlp_forward"
+    name = "glu_grad_" if glu else "mlp_gradient_"
     kept_at_forward, kept_at_backward = [], []
-    forward, backward = getattr(ops, forward_name), getattr(ops, name)
+    forward, backward = ops.glu_pass, getattr(ops, name)
 
     def forward_spy(*args):
         out = forward(*args)
         kept_at_forward.append(out[1].data_ptr())
         return out
 
-    def backward_spy(*args):
-        kept_at_backward.append(args[3 if glu else 4].data_ptr())
-        return backward(*args)
+    def backward_spy(*args, **kwargs):
+        kept_at_backward.append(args[1 if glu else 2].data_ptr())
+        return backward(*args, **kwargs)
 
-    monkeypatch.setattr(ops, forward_name, forward_spy)
+    monkeypatch.setattr(ops, "glu_pass", forward_spy)
     monkeypatch.setattr(ops, name, backward_spy)
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     fn, seed, leaves = mlp_or_glu(p, glu, save)
@@ -225,23 +230,24 @@ def test_backward_overwrites_what_the_forward_kept(device, save, backend, glu, m
 
 
 @NEEDS_INDUCTOR
-def test_compiled_factors_step_frees_a_before_the_backward_op(device, monkeypatch):
-    """dW_down is made before the backward op, so inductor's backward drops ``a`` before the op
-    allocates dX and dW_gate_up, as the eager backward releases it (the compiled step's peak)."""
+def test_compiled_factors_step_frees_a_before_the_gradient_op(device, monkeypatch):
+    """dW_down is made before the gradient op, so inductor's backward drops ``a`` before the
+    gradient GEMMs allocate dX and dW_gate_up, as the eager backward releases it (the compiled
+    step's peak)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     torch._dynamo.reset()
-    forward, backward = ops.mlp_forward, ops.mlp_backward_
+    forward, backward = ops.glu_pass, ops.mlp_gradient_
     a_storages, a_alive_at_backward = [], []
     other = make_problem(5, 16, 24, dtype=torch.float32, device=device)
 
     def forward_spy(*args):
-        y, kept, a = forward(*args)
+        a, kept = forward(*args)
         a_storages.append(StorageWeakRef(a.untyped_storage()))
         # The Triton interpreter (CPU) keeps a tensor of its last launch alive until the next launch
         # (triton 3.6): launch once more on other tensors, so that only the graph can hold ``a``.
-        forward(other.x, other.w_gate_up, other.w_down, *args[3:])
-        return y, kept, a
+        forward(other.x, other.w_gate_up, *args[2:4])
+        return a, kept
 
     def backward_spy(*args):
         a_alive_at_backward.append(not a_storages[-1].expired())
@@ -250,8 +256,8 @@ def test_compiled_factors_step_frees_a_before_the_backward_op(device, monkeypatc
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     fn, seed, leaves = mlp_or_glu(p, False, "factors")
     expected = step(lambda x, w, wd: swiglu_mlp(x, w, wd, save="factors"), p, p.x)
-    monkeypatch.setattr(ops, "mlp_forward", forward_spy)
-    monkeypatch.setattr(ops, "mlp_backward_", backward_spy)
+    monkeypatch.setattr(ops, "glu_pass", forward_spy)
+    monkeypatch.setattr(ops, "mlp_gradient_", backward_spy)
     torch.compile(fn, backend="inductor")(*leaves).backward(seed)
     assert a_alive_at_backward == [False]
     grads = (t.grad for t in leaves)
@@ -331,59 +337,64 @@ def test_compiled_glu_module(device):
 
 @pytest.mark.parametrize("save", SAVES)
 def test_ops_pass_opcheck(device, save):
-    """Schema (no input changed), fake implementations and AOT dispatch of the inference and forward
-    ops, by torch's own checker."""
+    """Schema (no input changed), fake implementations and AOT dispatch of the forward op (inference
+    and training) and of the recompute backward ops, by torch's own checker."""
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
     x, w, wd = p.x, p.w_gate_up, p.w_down
     u, v = torch.randn(37, 16, device=device), torch.randn(144, 16, device=device)  # a low-rank term
     checks = [
-        (ops.swiglu_mlp_inference, (x, w, wd, 0.5, 2.0)),
-        (ops.swiglu_linear_inference, (x, w, 0.5, None, None)),
-        (ops.swiglu_linear_inference, (x, w, 0.5, u, v)),
-        (ops.swiglu_mlp_forward, (x, w, wd, 0.5, 2.0, save)),
+        (ops.glu_forward, (x, w, 0.5, 2.0, ops.INFERENCE, None, None)),
+        (ops.glu_forward, (x, w, 0.5, 1.0, ops.INFERENCE, u, v)),
+        (ops.glu_forward, (x, w, 0.5, 2.0, save, None, None)),
     ]
     if save != "preact":
-        checks.append((ops.swiglu_linear_forward, (x, w, 0.5, save, None, None)))
-        checks.append((ops.swiglu_linear_forward, (x, w, 0.5, save, u, v)))
+        checks.append((ops.glu_forward, (x, w, 0.5, 1.0, save, u, v)))
+    if save == "recompute":
+        for grad_dtype in (x.dtype, torch.float64):  # the weights' gradients in x's dtype, and in another
+            needs = (True, True, True)
+            checks.append(
+                (ops.mlp_backward_recomputed, (p.dy, x, w, wd, 0.5, 2.0, *needs, grad_dtype, grad_dtype))
+            )
+            checks.append(
+                (
+                    ops.mlp_backward_recomputed,
+                    (p.dy, x, w, wd, 0.5, 2.0, True, False, False, *(grad_dtype,) * 2),
+                )
+            )
+            checks.append(
+                (ops.glu_backward_recomputed, (p.da, x, w, u, v, 0.5, True, True, True, True, grad_dtype))
+            )
+            checks.append(
+                (
+                    ops.glu_backward_recomputed,
+                    (p.da, x, w, None, None, 0.5, False, True, False, False, grad_dtype),
+                )
+            )
     for op, args in checks:
         results = torch.library.opcheck(op, args)
         assert set(results.values()) == {"SUCCESS"}, (op, results)
 
 
-@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("save", ["factors", "preact"])
 @pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
-def test_backward_ops_fake_implementations_match(device, save, glu):
-    """The backward ops overwrite what the forward kept without declaring it (ops.py says why), which
-    opcheck's schema test would flag, and refuse a second call on one kept tensor, which opcheck makes:
-    their fake implementations are checked here, output by output, against one real call."""
+def test_gradient_ops_fake_implementations_match(device, save, glu):
+    """The gradient ops return the gradient in the kept tensor's memory without declaring it (ops.py
+    says why), which opcheck's schema test would flag, and refuse a second call on one kept tensor,
+    which opcheck makes: their fake implementations are checked here against one real call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if glu and save == "preact":
         pytest.skip("the GLU operator keeps the factors or nothing")
     p = make_problem(37, 40, 72, dtype=torch.float32, device=device)
-    x, w, wd = p.x, p.w_gate_up, p.w_down
-    u, v = torch.randn(37, 16, device=device), torch.randn(144, 16, device=device)  # a low-rank term
-    # The weights' gradients in x's dtype, and in another (a parameter's own dtype under autocast).
-    cases = [(True, True, save != "factors"), (True, False, False), (False, True, False)]
-    for needs, grad_dtype in itertools.product(cases, (x.dtype, torch.float64)):
-        if glu:
-            _, kept = ops.swiglu_linear_forward(x, w, 0.5, save, u, v)
-            grads = (*needs[:2], needs[0], not needs[0])  # dU with dX, dV without
-            op, args = ops.swiglu_linear_backward, (p.da, x, w, kept, u, v, 0.5, save, *grads, grad_dtype)
-        else:
-            _, kept, a = ops.swiglu_mlp_forward(x, w, wd, 0.5, 2.0, save)
-            after = p.dy.t() @ a if save == "factors" else None  # dW_down, made before the op
-            dtypes = (grad_dtype, grad_dtype)
-            op, args = ops.swiglu_mlp_backward, (p.dy, x, w, wd, kept, after, 0.5, 2.0, save, *needs, *dtypes)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            fake = op(*fake_args)
-        real = op(*args)
-        for r, f in zip(real, fake, strict=True):
-            assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
-            assert r.numel() == 0 or torch.isfinite(r).all()
-        weight_grads = real[1:2] if glu else real[1:]
-        assert all(g.dtype == grad_dtype for g in weight_grads if g.numel())
+    _, op, args = kept_and_gradient_op(p, glu, save)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = op(*fake_args)
+    real = op(*args)
+    real, fake = ((real,), (fake,)) if glu else (real, fake)
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.dtype, r.device, r.stride()) == (f.shape, f.dtype, f.device, f.stride())
+        assert r.numel() == 0 or torch.isfinite(r).all()
 
 
 @NEEDS_INDUCTOR

@@ -1,5 +1,5 @@
 """Functional API: packing, autocast and validation, then one of three paths: the training Function
-or the inference op (ops.py), or the PyTorch reference where the fused kernels cannot run
+or the forward op with nothing kept (ops.py), or the PyTorch reference where the fused kernels cannot run
 (support.py says where they run). Eager calls and ``torch.compile`` take the same path; compiled, all
 of this runs once while Dynamo traces it, and the graph keeps only the ops.
 """
@@ -171,7 +171,8 @@ def swiglu_mlp(
             cast_for_autocast(w, compute_dtype) for w in (gate_up_weight, down_weight)
         )
         if fused:
-            y = ops.swiglu_mlp_inference(x2d, gate_up_weight, down_weight, *scalars)
+            a, _ = ops.glu_forward(x2d, gate_up_weight, *scalars, ops.INFERENCE, None, None)
+            y = torch.mm(a, down_weight.t())
         else:
             y = reference_swiglu_mlp_packed(
                 x2d,
@@ -230,7 +231,7 @@ def swiglu_linear(
     else:
         gate_up_weight = cast_for_autocast(gate_up_weight, compute_dtype)
         if fused:
-            a = ops.swiglu_linear_inference(x2d, gate_up_weight, gate_multiplier, u, v)
+            a, _ = ops.glu_forward(x2d, gate_up_weight, gate_multiplier, 1.0, ops.INFERENCE, u, v)
         else:
             low = None if u is None else (u, v)
             a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier, low_rank=low)

@@ -4,15 +4,23 @@ them. The compiler sees each op as one opaque call with a fake implementation (s
 traces the Functions' forward and backward into the graph, so a model that calls the library
 compiles to one graph whose code calls the ops without the library's Python above them.
 
-Per operator there are three ops: inference (nothing saved), the training forward (returns what it
-saves as outputs, empty where the save mode saves nothing) and the training backward, which the
-Functions call; passes.py says what each save mode saves.
+The ops hold the fused kernels only; the GEMMs before and after them (the MLP's down projection,
+the backward's input and weight gradients) are written in the Functions, so that a compiled graph
+issues them itself, as it issues a stock model's GEMMs (docs/design/one-path.md says what that
+saves). The ops: ``glu_forward`` (the fused gate/up GEMM and SwiGLU, for inference and training),
+``mlp_gradient`` and ``glu_gradient`` (the packed pre-activation gradient from what the forward
+kept), and for ``save="recompute"``, which frees what it recomputes piece by piece, the whole
+backward (``mlp_backward_recomputed``, ``glu_backward_recomputed``). passes.py says what each save
+mode keeps.
 
-The backward overwrites the tensor the forward saved with the packed pre-activation gradient, without
-declaring it: declared, the compiler copies the saved tensor first (time and memory the overwrite is
-there to save). Nothing else reads that tensor after the backward op, and ``_overwrite_once`` makes
-the overwrite happen at most once; a graph can be walked backward once, and ``create_graph=True``
-(double backward) is refused.
+The gradient ops write the packed pre-activation gradient over the tensor the forward kept and
+return it in that tensor's memory, without declaring the alias: a declared mutation of a tensor
+the backward graph receives makes the compiler copy it first (time and memory the overwrite is
+there to save), and the returned tensor orders the graph's GEMMs after the op. Nothing reads the
+kept tensor itself after the op (the compiler hands a graph input's memory to another buffer only
+through a kernel that reads it, and none does), and ``_overwrite_once`` makes the overwrite happen
+at most once: a graph can be walked backward once, and ``create_graph=True`` (double backward) is
+refused.
 """
 
 from __future__ import annotations
@@ -22,16 +30,9 @@ import functools
 import torch
 
 from .kernels.common import Saved, bind_cuda_context, tma_ready
+from .kernels.glu_grad import glu_grad_
 from .library import define
-from .passes import (
-    linear_backward_,
-    linear_forward,
-    mlp_backward_,
-    mlp_forward,
-    mm_as,
-    swiglu_linear_no_grad,
-    swiglu_mlp_no_grad,
-)
+from .passes import glu_grads, glu_grads_recomputed, glu_pass, mlp_gradient_, mlp_grads_recomputed, mm_as
 
 
 def refuse_second_walk() -> None:
@@ -81,89 +82,102 @@ def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0) if t is None else t
 
 
-# The MLP ---------------------------------------------------------------------------------------------
+# The ops ---------------------------------------------------------------------------------------------
+# ``u`` [M, R] and ``v`` [2I, R]: an optional low-rank term u @ v^T of the packed pre-activation (LoRA
+# adapters on gate and up), R a multiple of 16; both given or neither.
+
+
+#: ``glu_forward``'s save mode for a call that records no backward.
+INFERENCE = "inference"
+
+
+def _low_rank(u, v) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if u is None else (tma_ready(u), tma_ready(v))
 
 
 @_on_tensor_device
-def _mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier):
-    """x [M, H], packed [2I, H], down [H, I] -> y [M, H]; nothing saved."""
-    args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight))
-    return swiglu_mlp_no_grad(*args, gate_multiplier, down_multiplier, ("mlp", *_signature(*args)))
-
-
-def _mlp_inference_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier):
-    return x2d.new_empty(x2d.shape[0], down_weight.shape[0])
-
-
-swiglu_mlp_inference = define(
-    "swiglu_mlp_inference(Tensor x2d, Tensor gate_up_weight, Tensor down_weight, float gate_multiplier, "
-    "float down_multiplier) -> Tensor",
-    _mlp_inference,
-    _mlp_inference_fake,
-)
-
-
-@_on_tensor_device
-def _mlp_forward(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
-    """y [M, H], the saved packed [M, 2I] tensor and ``a`` [M, I] (each empty where ``save`` keeps none)."""
+def _glu_forward(x2d, gate_up_weight, gate_multiplier, down_multiplier, save, u, v):
+    """x [M, H], packed [2I, H] -> ``a`` [M, I] (with the down multiplier) and what the save mode
+    ``save`` keeps (empty for ``"recompute"``); ``save="inference"`` keeps nothing either."""
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
-    args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight))
-    y, saved, a = mlp_forward(*args, Saved.of(save), multipliers, ("mlp", *_signature(*args)))
-    return y, _empty_if_none(saved, x2d), _empty_if_none(a, x2d)
+    args = (tma_ready(x2d), tma_ready(gate_up_weight))
+    low_rank = _low_rank(u, v)
+    key = ("glu", save, *_signature(*args, *(low_rank or ())))
+    a, saved = glu_pass(*args, None if save == INFERENCE else Saved.of(save), multipliers, key, low_rank)
+    return a, _empty_if_none(saved, x2d)
 
 
-def _mlp_forward_fake(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save):
-    m, inter = x2d.shape[0], down_weight.shape[1]
-    saved = x2d.new_empty(m, 2 * inter) if save != "recompute" else x2d.new_empty(0)
-    a = x2d.new_empty(m, inter) if save == "factors" else x2d.new_empty(0)
-    return x2d.new_empty(m, down_weight.shape[0]), saved, a
+def _glu_forward_fake(x2d, gate_up_weight, gate_multiplier, down_multiplier, save, u, v):
+    m, two_inter = x2d.shape[0], gate_up_weight.shape[0]
+    saved = x2d.new_empty(m, two_inter) if save not in ("recompute", INFERENCE) else x2d.new_empty(0)
+    return x2d.new_empty(m, two_inter // 2), saved
 
 
-swiglu_mlp_forward = define(
-    "swiglu_mlp_forward(Tensor x2d, Tensor gate_up_weight, Tensor down_weight, float gate_multiplier, "
-    "float down_multiplier, str save) -> (Tensor, Tensor, Tensor)",
-    _mlp_forward,
-    _mlp_forward_fake,
+glu_forward = define(
+    "glu_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, float down_multiplier, "
+    "str save, Tensor? u, Tensor? v) -> (Tensor, Tensor)",
+    _glu_forward,
+    _glu_forward_fake,
 )
 
 
 @_on_tensor_device
-def _mlp_backward(
-    dy,
-    x2d,
-    gate_up_weight,
-    down_weight,
-    saved,
-    after,
-    gate_multiplier,
-    down_multiplier,
-    save,
-    *needs_and_dtypes,
+def _mlp_gradient(dy, down_weight, saved, gate_multiplier, down_multiplier, save):
+    """The MLP's packed pre-activation gradient [dU | dG], written over ``saved`` and returned in its
+    memory, and ``a`` recomputed for saved pre-activations (empty for saved factors)."""
+    _overwrite_once(saved)
+    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
+    args = (tma_ready(dy), tma_ready(down_weight))
+    key = ("mlp", save, *_signature(*args, saved))
+    a = mlp_gradient_(*args, saved, Saved.of(save), multipliers, key)
+    return saved, _empty_if_none(a, saved)
+
+
+def _mlp_gradient_fake(dy, down_weight, saved, gate_multiplier, down_multiplier, save):
+    a = saved.new_empty(saved.shape[0], saved.shape[1] // 2) if save == "preact" else saved.new_empty(0)
+    return torch.empty_like(saved), a
+
+
+mlp_gradient = define(
+    "mlp_gradient(Tensor dy, Tensor down_weight, Tensor saved, float gate_multiplier, "
+    "float down_multiplier, str save) -> (Tensor, Tensor)",
+    _mlp_gradient,
+    _mlp_gradient_fake,
+)
+
+
+@_on_tensor_device
+def _glu_gradient(da, factors):
+    """The GLU operator's packed pre-activation gradient [dU | dG] from dA and the saved factors,
+    written over ``factors`` and returned in its memory."""
+    _overwrite_once(factors)
+    da = da.contiguous()
+    glu_grad_(da, factors, caller_key=("glu", *_signature(da, factors)))
+    return factors
+
+
+def _glu_gradient_fake(da, factors):
+    return torch.empty_like(factors)
+
+
+glu_gradient = define("glu_gradient(Tensor da, Tensor factors) -> Tensor", _glu_gradient, _glu_gradient_fake)
+
+
+@_on_tensor_device
+def _mlp_backward_recomputed(
+    dy, x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, *needs_and_dtypes
 ):
-    """dX, the packed dW_gate_up and dW_down (empty where not needed; the weights' gradients in the
-    dtypes given); overwrites ``saved``. ``after`` is not read: it is what the op must run after
-    (``SwiGLUMLPFunction.backward``)."""
+    """dX, the packed dW_gate_up and dW_down of ``save="recompute"`` (empty where not needed; the
+    weights' gradients in the dtypes given): the forward GEMM again, piece by piece, inside the op."""
     needs, grad_dtypes = needs_and_dtypes[:3], needs_and_dtypes[3:]
-    kind = Saved.of(save)
-    if kind != Saved.NOTHING:
-        _overwrite_once(saved)
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
-    args = (tma_ready(dy), tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), saved)
-    grads = mlp_backward_(*args, kind, multipliers, needs, grad_dtypes, ("mlp", *_signature(*args)))
+    args = (tma_ready(x2d), tma_ready(gate_up_weight), tma_ready(down_weight), tma_ready(dy))
+    grads = mlp_grads_recomputed(*args, multipliers, *needs, grad_dtypes)
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
-def _mlp_backward_fake(
-    dy,
-    x2d,
-    gate_up_weight,
-    down_weight,
-    saved,
-    after,
-    gate_multiplier,
-    down_multiplier,
-    save,
-    *needs_and_dtypes,
+def _mlp_backward_recomputed_fake(
+    dy, x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, *needs_and_dtypes
 ):
     needs, (gate_up_dtype, down_dtype) = needs_and_dtypes[:3], needs_and_dtypes[3:]
     shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
@@ -174,86 +188,26 @@ def _mlp_backward_fake(
     )
 
 
-swiglu_mlp_backward = define(
-    "swiglu_mlp_backward(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, Tensor saved, "
-    "Tensor? after, float gate_multiplier, float down_multiplier, str save, bool need_dx, "
-    "bool need_dw_gate_up, bool need_dw_down, ScalarType dw_gate_up_dtype, ScalarType dw_down_dtype) "
-    "-> (Tensor, Tensor, Tensor)",
-    _mlp_backward,
-    _mlp_backward_fake,
-)
-
-
-# The GLU operator ------------------------------------------------------------------------------------
-# ``u`` [M, R] and ``v`` [2I, R]: an optional low-rank term u @ v^T of the packed pre-activation (LoRA
-# adapters on gate and up), R a multiple of 16; both given or neither.
-
-
-def _low_rank(u, v) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return None if u is None else (tma_ready(u), tma_ready(v))
-
-
-@_on_tensor_device
-def _linear_inference(x2d, gate_up_weight, gate_multiplier, u, v):
-    """x [M, H], packed [2I, H] -> a [M, I]; nothing saved."""
-    args = (tma_ready(x2d), tma_ready(gate_up_weight))
-    low_rank = _low_rank(u, v)
-    key = ("glu", *_signature(*args, *(low_rank or ())))
-    return swiglu_linear_no_grad(*args, gate_multiplier, key, low_rank)
-
-
-def _linear_inference_fake(x2d, gate_up_weight, gate_multiplier, u, v):
-    return x2d.new_empty(x2d.shape[0], gate_up_weight.shape[0] // 2)
-
-
-swiglu_linear_inference = define(
-    "swiglu_linear_inference(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, Tensor? u, "
-    "Tensor? v) -> Tensor",
-    _linear_inference,
-    _linear_inference_fake,
+mlp_backward_recomputed = define(
+    "mlp_backward_recomputed(Tensor dy, Tensor x2d, Tensor gate_up_weight, Tensor down_weight, "
+    "float gate_multiplier, float down_multiplier, bool need_dx, bool need_dw_gate_up, bool need_dw_down, "
+    "ScalarType dw_gate_up_dtype, ScalarType dw_down_dtype) -> (Tensor, Tensor, Tensor)",
+    _mlp_backward_recomputed,
+    _mlp_backward_recomputed_fake,
 )
 
 
 @_on_tensor_device
-def _linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v):
-    """``a`` [M, I] and the saved factors [M, 2I] (empty for ``"recompute"``)."""
-    args = (tma_ready(x2d), tma_ready(gate_up_weight))
-    low_rank = _low_rank(u, v)
-    key = ("glu", *_signature(*args, *(low_rank or ())))
-    a, factors = linear_forward(*args, gate_multiplier, Saved.of(save), key, low_rank)
-    return a, _empty_if_none(factors, x2d)
-
-
-def _linear_forward_fake(x2d, gate_up_weight, gate_multiplier, save, u, v):
-    m, two_inter = x2d.shape[0], gate_up_weight.shape[0]
-    factors = x2d.new_empty(m, two_inter) if save != "recompute" else x2d.new_empty(0)
-    return x2d.new_empty(m, two_inter // 2), factors
-
-
-swiglu_linear_forward = define(
-    "swiglu_linear_forward(Tensor x2d, Tensor gate_up_weight, float gate_multiplier, str save, Tensor? u, "
-    "Tensor? v) -> (Tensor, Tensor)",
-    _linear_forward,
-    _linear_forward_fake,
-)
-
-
-@_on_tensor_device
-def _linear_backward(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs_and_dtype):
-    """dX, the packed dW_gate_up (in the dtype given), dU and dV (empty where not needed); overwrites
-    ``factors``."""
+def _glu_backward_recomputed(da, x2d, gate_up_weight, u, v, gate_multiplier, *needs_and_dtype):
+    """dX, the packed dW_gate_up (in the dtype given), dU and dV of the GLU operator's ``"recompute"``
+    (empty where not needed), its factors made again piece by piece inside the op."""
     needs, dw_dtype = needs_and_dtype[:4], needs_and_dtype[4]
-    kind = Saved.of(save)
-    if kind != Saved.NOTHING:
-        _overwrite_once(factors)
-    args = (da.contiguous(), tma_ready(x2d), tma_ready(gate_up_weight), factors)
-    low_rank = _low_rank(u, v)
-    key = ("glu", *_signature(*args, *(low_rank or ())))
-    grads = linear_backward_(*args, kind, gate_multiplier, needs, dw_dtype, key, low_rank)
+    args = (tma_ready(x2d), tma_ready(gate_up_weight), da.contiguous())
+    grads = glu_grads_recomputed(*args, gate_multiplier, needs, dw_dtype, _low_rank(u, v))
     return tuple(_empty_if_none(g, x2d) for g in grads)
 
 
-def _linear_backward_fake(da, x2d, gate_up_weight, factors, u, v, gate_multiplier, save, *needs_and_dtype):
+def _glu_backward_recomputed_fake(da, x2d, gate_up_weight, u, v, gate_multiplier, *needs_and_dtype):
     needs, dw_dtype = needs_and_dtype[:4], needs_and_dtype[4]
     shapes = (x2d.shape, gate_up_weight.shape, None if u is None else u.shape, None if v is None else v.shape)
     dtypes = (x2d.dtype, dw_dtype, x2d.dtype, x2d.dtype)
@@ -263,12 +217,12 @@ def _linear_backward_fake(da, x2d, gate_up_weight, factors, u, v, gate_multiplie
     )
 
 
-swiglu_linear_backward = define(
-    "swiglu_linear_backward(Tensor da, Tensor x2d, Tensor gate_up_weight, Tensor factors, Tensor? u, "
-    "Tensor? v, float gate_multiplier, str save, bool need_dx, bool need_dw, bool need_du, bool need_dv, "
-    "ScalarType dw_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
-    _linear_backward,
-    _linear_backward_fake,
+glu_backward_recomputed = define(
+    "glu_backward_recomputed(Tensor da, Tensor x2d, Tensor gate_up_weight, Tensor? u, Tensor? v, "
+    "float gate_multiplier, bool need_dx, bool need_dw, bool need_du, bool need_dv, ScalarType dw_dtype) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    _glu_backward_recomputed,
+    _glu_backward_recomputed_fake,
 )
 
 
@@ -319,6 +273,9 @@ def cast_for_autocast(t, dtype: torch.dtype | None):
 class SwiGLUMLPFunction(torch.autograd.Function):
     """y = down_multiplier * (silu(gate_multiplier * x @ Wg^T) * (x @ Wu^T)) @ Wd^T, weights packed.
 
+    The fused kernels run in the ops; the GEMMs around them (the down projection and the backward's
+    weight and input gradients) run here, so that a compiled graph issues them itself.
+
     Under autocast the weights come in their own dtype and are cast here (``compute_dtype``), so
     that the backward's GEMMs make their gradients in that dtype (``mm_as``): with fp32 weights,
     straight from the fp32 accumulator rather than rounded to 16 bits and cast by autograd after."""
@@ -338,11 +295,12 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         gate_up_weight, down_weight = (
             cast_for_autocast(w, compute_dtype) for w in (gate_up_weight, down_weight)
         )
-        scalars = (gate_multiplier, down_multiplier, save)
-        y, saved, a = swiglu_mlp_forward(x2d, gate_up_weight, down_weight, *scalars)
+        a, saved = glu_forward(x2d, gate_up_weight, gate_multiplier, down_multiplier, save, None, None)
+        y = torch.mm(a, down_weight.t())  # a carries the down multiplier
         # a is saved for dW_down only (with saved factors): not saved when the down weight is frozen.
-        ctx.save_for_backward(x2d, gate_up_weight, down_weight, saved, a if ctx.needs_input_grad[2] else None)
-        ctx.scalars = scalars
+        keep_a = save == "factors" and ctx.needs_input_grad[2]
+        ctx.save_for_backward(x2d, gate_up_weight, down_weight, saved, a if keep_a else None)
+        ctx.scalars = (gate_multiplier, down_multiplier, save)
         return y
 
     @staticmethod
@@ -350,32 +308,48 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         _refuse_double_backward()
         x2d, gate_up_weight, down_weight, saved, a = _saved_tensors(ctx)
         need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
+        gate_up_dtype, down_dtype = ctx.grad_dtypes
+        gate_multiplier, down_multiplier, save = ctx.scalars
         eager = not torch.compiler.is_compiling()
-        if eager and saved._version:  # refused before a is read (the op refuses it too, compiled)
-            refuse_second_walk()
         if eager and dy.is_cuda:
             bind_cuda_context(dy.device)  # autograd's device thread may have no CUDA context yet
+        if save == "recompute":
+            needs = (need_dx, need_dw_gate_up, need_dw_down)
+            weights = (gate_up_weight, down_weight)
+            multipliers = (gate_multiplier, down_multiplier)
+            grads = mlp_backward_recomputed(dy, x2d, *weights, *multipliers, *needs, *ctx.grad_dtypes)
+            return (
+                *(g if need else None for g, need in zip(grads, needs, strict=True)),
+                None,
+                None,
+                None,
+                None,
+            )
+        if eager and saved._version:  # refused before a is read (the op refuses it too, compiled)
+            refuse_second_walk()
         dw_down = None
-        if need_dw_down and ctx.scalars[2] == "factors":
-            # dW_down = dY^T @ a (a carries the down multiplier) first: a's last use, so a compiled
-            # backward drops a before the backward op allocates the two largest gradients. The op
-            # takes dW_down as `after` so that the compiler cannot move this GEMM past it.
-            dw_down = mm_as(dy.t(), a, ctx.grad_dtypes[1])
+        if need_dw_down and save == "factors":
+            # dW_down = dY^T @ a first: a's last use, so that it is released before the larger gradients.
+            dw_down = mm_as(dy.t(), a, down_dtype)
             if eager:
                 # Autograd holds saved tensors until the backward returns: release a now.
                 a.untyped_storage().resize_(0)
         del a
-        needs = (need_dx, need_dw_gate_up, need_dw_down and dw_down is None)
-        weights = (gate_up_weight, down_weight)
-        grads = swiglu_mlp_backward(dy, x2d, *weights, saved, dw_down, *ctx.scalars, *needs, *ctx.grad_dtypes)
-        dx, dw_gate_up, op_dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
-        return dx, dw_gate_up, op_dw_down if dw_down is None else dw_down, None, None, None, None
+        dx = dw_gate_up = None
+        if need_dx or need_dw_gate_up or (need_dw_down and save == "preact"):
+            grad, recomputed_a = mlp_gradient(dy, down_weight, saved, gate_multiplier, down_multiplier, save)
+            if need_dw_down and save == "preact":
+                dw_down = mm_as(dy.t(), recomputed_a, down_dtype)
+            del recomputed_a
+            dx = torch.mm(grad, gate_up_weight) if need_dx else None  # grad: [dU | dG], packed
+            dw_gate_up = mm_as(grad.t(), x2d, gate_up_dtype) if need_dw_gate_up else None
+        return dx, dw_gate_up, dw_down, None, None, None, None
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
     """a = silu(gate_multiplier * g) * u from the packed pre-activation [u | g] = x @ W^T (+ u_lr @ v^T,
-    a low-rank term, if given): the GLU half alone. The weight is cast here under autocast, as in
-    ``SwiGLUMLPFunction``."""
+    a low-rank term, if given): the GLU half alone. The fused kernels run in the ops and the backward's
+    GEMMs here, and the weight is cast here under autocast, as in ``SwiGLUMLPFunction``."""
 
     @staticmethod
     def forward(
@@ -383,7 +357,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
     ):
         ctx.dw_dtype = gate_up_weight.dtype
         gate_up_weight = cast_for_autocast(gate_up_weight, compute_dtype)
-        a, factors = swiglu_linear_forward(x2d, gate_up_weight, gate_multiplier, save, u, v)
+        a, factors = glu_forward(x2d, gate_up_weight, gate_multiplier, 1.0, save, u, v)
         ctx.save_for_backward(x2d, gate_up_weight, factors, u, v)
         ctx.scalars = (gate_multiplier, save)
         return a
@@ -391,7 +365,17 @@ class SwiGLULinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da):
         _refuse_double_backward()
+        x2d, gate_up_weight, factors, u, v = _saved_tensors(ctx)
         needs = (*ctx.needs_input_grad[:2], *ctx.needs_input_grad[4:6])
-        grads = swiglu_linear_backward(da, *_saved_tensors(ctx), *ctx.scalars, *needs, ctx.dw_dtype)
+        gate_multiplier, save = ctx.scalars
+        if save == "recompute":
+            grads = glu_backward_recomputed(
+                da, x2d, gate_up_weight, u, v, gate_multiplier, *needs, ctx.dw_dtype
+            )
+        else:
+            if not torch.compiler.is_compiling() and factors._version:
+                refuse_second_walk()
+            low_rank = None if u is None else (u, v)
+            grads = glu_grads(glu_gradient(da, factors), x2d, gate_up_weight, needs, ctx.dw_dtype, low_rank)
         dx, dw, du, dv = (g if need else None for g, need in zip(grads, needs, strict=True))
         return dx, dw, None, None, du, dv, None

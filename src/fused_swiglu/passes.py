@@ -1,6 +1,6 @@
-"""The passes of the fused operators over 2-D, TMA-ready tensors: inference, the training forward and
-the training backward, each a few kernel launches and cuBLAS GEMMs. The kernel choice is in
-``kernels/configs.py``; the custom ops (ops.py) call these.
+"""The passes of the fused operators over 2-D, TMA-ready tensors: the fused forward (inference and
+training), the packed pre-activation gradient, the GEMMs on it, and the recompute backward. The
+kernel choice is in ``kernels/configs.py``; the custom ops and Functions (ops.py) call these.
 
 What is kept between forward and backward, per token (x and the weights not counted):
 
@@ -94,11 +94,8 @@ def _backward_(dy, w_down, saved, *, save, caller_key=None, **multipliers):
     return launch(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
 
 
-def _glu_no_grad(
-    x, w_gate_up, gate_multiplier: float, down_multiplier: float, caller_key=None, low_rank=None
-):
+def _glu_no_grad(x, w_gate_up, multipliers: dict, caller_key=None, low_rank=None):
     """``down_multiplier * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
-    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     if inference_uses_cublas(x.shape[0]):
         h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
         if low_rank is not None:
@@ -108,77 +105,22 @@ def _glu_no_grad(
     return a
 
 
-def swiglu_mlp_no_grad(x, w_gate_up, w_down, gate_multiplier: float, down_multiplier: float, caller_key=None):
-    """Inference: nothing is saved."""
-    a = _glu_no_grad(x, w_gate_up, gate_multiplier, down_multiplier, caller_key)
-    return torch.mm(a, w_down.t())
-
-
-def swiglu_linear_no_grad(x, w_gate_up, gate_multiplier: float, caller_key=None, low_rank=None):
-    """Inference of the GLU half."""
-    return _glu_no_grad(x, w_gate_up, gate_multiplier, 1.0, caller_key, low_rank)
-
-
-def mlp_forward(x, w_gate_up, w_down, save: Saved, multipliers: dict, caller_key=None):
-    """y, the saved packed tensor (``None`` for ``Saved.NOTHING``) and ``a`` scaled by the down
-    multiplier (``None`` unless the factors are saved, where dW_down needs it)."""
-    a, saved = _forward(x, w_gate_up, save=save, caller_key=caller_key, **multipliers)
-    y = torch.mm(a, w_down.t())
-    # a already carries the down multiplier, so dW_down = dY^T @ a needs no extra scaling.
-    return y, saved, a if save == Saved.FACTORS else None
-
-
-def mlp_backward_(
-    dy, x, w_gate_up, w_down, saved, save: Saved, multipliers: dict, needs, grad_dtypes, caller_key=None
-):
-    """(dX, packed dW_gate_up, dW_down), each ``None`` where ``needs`` says it is not needed, the
-    weights' gradients in ``grad_dtypes`` (their parameters' dtypes).
-
-    Overwrites ``saved`` with the packed pre-activation gradient. With saved factors, dW_down needs
-    ``a``, which the caller holds: it makes dW_down itself, and ``needs`` must not ask for it here.
-    """
-    need_dx, need_dw_gate_up, need_dw_down = needs
-    gate_up_dtype, down_dtype = grad_dtypes
-    if save == Saved.NOTHING:
-        return _mlp_grads_recomputed(x, w_gate_up, w_down, dy, multipliers, *needs, grad_dtypes)
-    assert not (save == Saved.FACTORS and need_dw_down), "dW_down from saved factors needs a"
-    # a, recomputed for saved pre-activations
-    recomputed = _backward_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
-    dw_down = mm_as(dy.t(), recomputed, down_dtype) if need_dw_down else None
-    del recomputed
-    dx = torch.mm(saved, w_gate_up) if need_dx else None  # saved now holds [dU | dG], packed
-    dw_gate_up = mm_as(saved.t(), x, gate_up_dtype) if need_dw_gate_up else None
-    return dx, dw_gate_up, dw_down
-
-
-def linear_forward(x, w_gate_up, gate_multiplier: float, save: Saved, caller_key=None, low_rank=None):
-    """``a`` and the saved factors (``None`` for ``Saved.NOTHING``) of the GLU operator."""
-    multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": 1.0}
+def glu_pass(x, w_gate_up, save: Saved | None, multipliers: dict, caller_key=None, low_rank=None):
+    """``a`` = down_multiplier * silu(gate_multiplier * g) * u [M, I] and what ``save`` keeps for the
+    backward (``None`` where it keeps nothing); ``save=None``: inference, which at decode sizes runs
+    cuBLAS plus an activation pass."""
+    if save is None:
+        return _glu_no_grad(x, w_gate_up, multipliers, caller_key, low_rank), None
     return _forward(x, w_gate_up, save=save, low_rank=low_rank, caller_key=caller_key, **multipliers)
 
 
-def linear_backward_(
-    da,
-    x,
-    w_gate_up,
-    factors,
-    save: Saved,
-    gate_multiplier: float,
-    needs,
-    dw_dtype,
-    caller_key=None,
-    low_rank=None,
-):
-    """(dX, packed dW_gate_up, dU, dV), each ``None`` where ``needs`` says it is not needed (or there is
-    no low-rank term), dW in ``dw_dtype``; overwrites the saved ``factors`` with the packed
-    pre-activation gradient."""
-    if save == Saved.NOTHING:
-        return _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier, needs, dw_dtype, low_rank)
-    grad = glu_grad_(da, factors, caller_key=caller_key)  # [dU | dG], over the factors
-    return _glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank)
+def mlp_gradient_(dy, w_down, saved, save: Saved, multipliers: dict, caller_key=None):
+    """Writes the MLP's packed pre-activation gradient [dU | dG] over ``saved``; returns ``a`` (with
+    the down multiplier) recomputed for saved pre-activations, ``None`` for saved factors."""
+    return _backward_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
 
 
-def _glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank, out=None):
+def glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank, out=None):
     """dX, dW_gate_up (in ``dw_dtype``), dU, dV from the packed pre-activation gradient ``grad`` (of
     the weight rows ``w_gate_up`` and ``low_rank``'s v cover). With ``out`` = (dX, dW, dU, dV)
     buffers, dX and dU are accumulated into and dW and dV written (the recompute pieces); the results
@@ -197,7 +139,7 @@ def _glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank, out=None):
     return dx, dw, du, dv
 
 
-def _mlp_grads_recomputed(
+def mlp_grads_recomputed(
     x, w_gate_up, w_down, dy, multipliers, need_dx, need_dw_gate_up, need_dw_down, grad_dtypes
 ):
     """dX and the packed dW_gate_up and dW_down of the MLP, ``a`` and the factors recomputed piece by
@@ -227,7 +169,7 @@ def _mlp_grads_recomputed(
     return dx, dw_gate_up, dw_down
 
 
-def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, dw_dtype, low_rank):
+def glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, dw_dtype, low_rank):
     """dX, the packed dW, dU and dV of the GLU operator, its factors recomputed piece by piece (as
     above): each piece's factors become its packed gradient in place, give dW's (and dV's) rows of the
     piece and add the piece's terms to dX (and dU), and are released."""
@@ -251,6 +193,6 @@ def _glu_grads_recomputed(x, w_gate_up, da, gate_multiplier: float, needs, dw_dt
         )
         glu_grad_(da[:, k * width : (k + 1) * width], grad)  # in place: the piece's [dU | dG]
         out = (dx, None if dw_gate_up is None else dw_gate_up[rows], du, None if dv is None else dv[rows])
-        dx, _, du, _ = _glu_grads(grad, x, w_gate_up[rows], needs, dw_dtype, piece_low_rank, out)
+        dx, _, du, _ = glu_grads(grad, x, w_gate_up[rows], needs, dw_dtype, piece_low_rank, out)
         del grad  # before the next piece is made
     return dx, dw_gate_up, du, dv
