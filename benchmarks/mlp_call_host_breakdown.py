@@ -6,10 +6,11 @@ fused ops' passes (``ops.glu_pass``, ``ops.mlp_gradient_``), the direct kernel l
 (``KernelLauncher._run``), the host descriptor encoder (called only when a descriptor is not
 cached) and the GEMMs the Functions issue (``torch.mm`` as ``ops`` and ``passes`` see it), and count launches
 that went through Triton's own launcher. Cases, in rotating rounds: the eager ``SwiGLUMLP``
-training call under bf16 autocast with fp32 weights (as ``bench --model`` trains); the two ops
-called alone in a loop, as they are, under autocast, under ``no_grad`` and with new input tensors
-every call. The compiled module is timed as a whole only: a timer on ``torch.mm`` would take it
-out of its graph.
+training call under bf16 autocast with fp32 weights (as ``bench --model`` trains); the same module
+compiled, alone and as ``--layers`` residual layers in one graph (the ops' bodies are not traced, so
+their timers stay in; a timer on the Functions' ``torch.mm`` would take the GEMMs out of the graph
+and is left out there); the two ops called alone in a loop, as they are, under autocast, under
+``no_grad`` and with new input tensors every call.
 """
 
 from __future__ import annotations
@@ -63,25 +64,40 @@ TIMED_TORCH = _TorchWithTimedMm("torch")
 TIMED_TORCH.mm = _timed("torch.mm", torch.mm)
 
 
-def timers(on: bool) -> None:
-    """Install (or remove) the timers."""
+def timers(on: bool, mm: bool = True) -> None:
+    """Install (or remove) the timers; ``mm=False`` leaves ``torch.mm`` untimed."""
     ops.glu_pass = _timed("forward pass", ORIGINAL["forward"]) if on else ORIGINAL["forward"]
     ops.mlp_gradient_ = _timed("gradient pass", ORIGINAL["backward"]) if on else ORIGINAL["backward"]
     launch.KernelLauncher._run = _timed("direct launch", ORIGINAL["run"]) if on else ORIGINAL["run"]
     slow = _timed("through Triton's launcher", ORIGINAL["through_triton"])
     launch.KernelLauncher._through_triton = slow if on else ORIGINAL["through_triton"]
     launch._encode = _timed("descriptor encoded", ORIGINAL["encode"]) if on else ORIGINAL["encode"]
-    passes.torch = ops.torch = TIMED_TORCH if on else torch
+    passes.torch = ops.torch = TIMED_TORCH if on and mm else torch
 
 
-def cases(rows: int, hidden: int, inter: int) -> dict[str, tuple[object, bool]]:
-    """name -> (one call, whether the timers are installed while it runs)."""
+class _Layers(torch.nn.Module):
+    """``x + mlp(x)``, layer after layer: several fused calls in one compiled graph."""
+
+    def __init__(self, mlps) -> None:
+        super().__init__()
+        self.mlps = torch.nn.ModuleList(mlps)
+
+    def forward(self, x):
+        for mlp in self.mlps:
+            x = x + mlp(x)
+        return x
+
+
+def cases(rows: int, hidden: int, inter: int, layers: int) -> dict[str, tuple[object, str]]:
+    """name -> (one call, which timers run while it does: "all", "no mm" or "none")."""
     torch.manual_seed(0)
     reference = EagerSwiGLUMLP(hidden, inter, device="cuda", dtype=torch.float32)
     x = torch.randn(rows, hidden, device="cuda", requires_grad=True)
     dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     eager = SwiGLUMLP.from_mlp(reference)
     compiled = torch.compile(SwiGLUMLP.from_mlp(reference), dynamic=False)
+    stack = _Layers([SwiGLUMLP.from_mlp(EagerSwiGLUMLP(hidden, inter, device="cuda")) for _ in range(layers)])
+    compiled_stack = torch.compile(stack, dynamic=False)
 
     def training_call(module) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -120,12 +136,13 @@ def cases(rows: int, hidden: int, inter: int) -> dict[str, tuple[object, bool]]:
         ops_alone()
 
     return {
-        "eager SwiGLUMLP call, autocast": (lambda: training_call(eager), True),
-        "compiled SwiGLUMLP call, autocast": (lambda: training_call(compiled), False),
-        "ops alone": (ops_alone, True),
-        "ops alone, under autocast": (ops_under_autocast, True),
-        "ops alone, no_grad": (ops_no_grad, True),
-        "ops alone, new inputs each call": (ops_new_inputs, True),
+        "eager SwiGLUMLP call, autocast": (lambda: training_call(eager), "all"),
+        "compiled SwiGLUMLP call, autocast": (lambda: training_call(compiled), "no mm"),
+        f"compiled {layers} layers, autocast": (lambda: training_call(compiled_stack), "no mm"),
+        "ops alone": (ops_alone, "all"),
+        "ops alone, under autocast": (ops_under_autocast, "all"),
+        "ops alone, no_grad": (ops_no_grad, "all"),
+        "ops alone, new inputs each call": (ops_new_inputs, "all"),
     }
 
 
@@ -134,13 +151,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--inter", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=8, help="layers of the compiled stack")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     if start_gpu_log(args.commit, "mlp_call_host_breakdown.py needs a CUDA GPU") is None:
         return
-    found = cases(args.rows, args.hidden, args.inter)
+    found = cases(args.rows, args.hidden, args.inter, args.layers)
     for call, _ in found.values():
         for _ in range(20):  # compiles, caches, the allocator's steady state
             call()
@@ -151,7 +169,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             call, timed = found[name]
-            timers(timed)
+            timers(timed != "none", mm=timed == "all")
             seconds.clear()
             calls.clear()
             torch.cuda.synchronize()
