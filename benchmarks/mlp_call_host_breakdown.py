@@ -1,22 +1,23 @@
 """Where the host time of one fused MLP training call goes, inside a training call and alone.
 
-Run on the GPU: ``python benchmarks/mlp_call_host_breakdown.py [--rows N] [--hidden H] [--inter I]``.
-At a few rows the GPU waits for the host, so wall time per call is host time. Timers wrap the
-fused ops' passes (``ops.glu_pass``, ``ops.mlp_gradient_``), the direct kernel launch
+Run on the GPU: ``python benchmarks/mlp_call_host_breakdown.py [--rows N] [--hidden H] [--inter I]
+[--layers L]``. At a few rows the GPU waits for the host, so wall time per call is host time. Timers
+wrap the fused ops' passes (``ops.glu_pass``, ``ops.mlp_gradient_``), the direct kernel launch
 (``KernelLauncher._run``), the host descriptor encoder (called only when a descriptor is not
-cached) and the GEMMs the Functions issue (``torch.mm`` as ``ops`` and ``passes`` see it), and count launches
-that went through Triton's own launcher. Cases, in rotating rounds: the eager ``SwiGLUMLP``
-training call under bf16 autocast with fp32 weights (as ``bench --model`` trains); the same module
-compiled, alone and as ``--layers`` residual layers in one graph (the ops' bodies are not traced, so
-their timers stay in; a timer on the Functions' ``torch.mm`` would take the GEMMs out of the graph
-and is left out there); the two ops called alone in a loop, as they are, under autocast, under
-``no_grad`` and with new input tensors every call.
+cached), Python's garbage collections and the GEMMs the Functions issue (``torch.mm`` as ``ops``
+and ``passes`` see it), and count launches that went through Triton's own launcher. Cases, in
+rotating rounds: the eager ``SwiGLUMLP`` training call under bf16 autocast with fp32 weights (as
+``bench --model`` trains); the same module compiled, alone and as ``--layers`` residual layers in
+one graph (the ops' bodies are not traced, so their timers stay in; a timer on the Functions'
+``torch.mm`` would take the GEMMs out of the graph and is left out there); the two ops called alone
+in a loop, as they are, under autocast, under ``no_grad`` and with new input tensors every call.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import time
 import types
@@ -44,6 +45,18 @@ def _timed(name: str, fn):
             calls[name] += 1
 
     return wrapper
+
+
+_gc_started: list[float] = []
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    """Python's garbage collections, timed as one more part of a call ("garbage collection")."""
+    if phase == "start":
+        _gc_started.append(time.perf_counter())
+    elif _gc_started:
+        seconds["garbage collection"] += time.perf_counter() - _gc_started.pop()
+        calls["garbage collection"] += 1
 
 
 class _TorchWithTimedMm(types.ModuleType):
@@ -159,6 +172,7 @@ def main() -> None:
     if start_gpu_log(args.commit, "mlp_call_host_breakdown.py needs a CUDA GPU") is None:
         return
     found = cases(args.rows, args.hidden, args.inter, args.layers)
+    gc.callbacks.append(_gc_timer)
     for call, _ in found.values():
         for _ in range(20):  # compiles, caches, the allocator's steady state
             call()
