@@ -9,8 +9,9 @@ and ``passes`` see it), and count launches that went through Triton's own launch
 rotating rounds: the eager ``SwiGLUMLP`` training call under bf16 autocast with fp32 weights (as
 ``bench --model`` trains); the same module compiled, alone and as ``--layers`` residual layers in
 one graph (the ops' bodies are not traced, so their timers stay in; a timer on the Functions'
-``torch.mm`` would take the GEMMs out of the graph and is left out there); the two ops called alone
-in a loop, as they are, under autocast, under ``no_grad`` and with new input tensors every call.
+``torch.mm`` would take the GEMMs out of the graph and is left out there); the two ops and the
+Functions' three GEMMs called alone in a loop, as they are, under autocast, under ``no_grad`` and
+with new input tensors every call.
 """
 
 from __future__ import annotations

@@ -77,6 +77,15 @@ def _signature(*tensors: torch.Tensor) -> tuple:
     return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
 
+def _fake_grads(like: torch.Tensor, shapes, needs, dtypes) -> tuple[torch.Tensor, ...]:
+    """A recompute backward op's gradients as its fake implementation makes them: empty where not
+    needed (or, shape None, where there is no such input)."""
+    return tuple(
+        like.new_empty(shape, dtype=dtype) if need and shape is not None else like.new_empty(0)
+        for shape, need, dtype in zip(shapes, needs, dtypes, strict=True)
+    )
+
+
 def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     # Custom ops return tensors only: what a save mode does not keep is an empty tensor.
     return like.new_empty(0) if t is None else t
@@ -181,11 +190,7 @@ def _mlp_backward_recomputed_fake(
 ):
     needs, (gate_up_dtype, down_dtype) = needs_and_dtypes[:3], needs_and_dtypes[3:]
     shapes = (x2d.shape, gate_up_weight.shape, down_weight.shape)
-    dtypes = (x2d.dtype, gate_up_dtype, down_dtype)
-    return tuple(
-        x2d.new_empty(shape, dtype=dtype) if need else x2d.new_empty(0)
-        for shape, need, dtype in zip(shapes, needs, dtypes, strict=True)
-    )
+    return _fake_grads(x2d, shapes, needs, (x2d.dtype, gate_up_dtype, down_dtype))
 
 
 mlp_backward_recomputed = define(
@@ -210,11 +215,7 @@ def _glu_backward_recomputed(da, x2d, gate_up_weight, u, v, gate_multiplier, *ne
 def _glu_backward_recomputed_fake(da, x2d, gate_up_weight, u, v, gate_multiplier, *needs_and_dtype):
     needs, dw_dtype = needs_and_dtype[:4], needs_and_dtype[4]
     shapes = (x2d.shape, gate_up_weight.shape, None if u is None else u.shape, None if v is None else v.shape)
-    dtypes = (x2d.dtype, dw_dtype, x2d.dtype, x2d.dtype)
-    return tuple(
-        x2d.new_empty(shape, dtype=dtype) if need and shape is not None else x2d.new_empty(0)
-        for shape, need, dtype in zip(shapes, needs, dtypes, strict=True)
-    )
+    return _fake_grads(x2d, shapes, needs, (x2d.dtype, dw_dtype, x2d.dtype, x2d.dtype))
 
 
 glu_backward_recomputed = define(
@@ -318,13 +319,8 @@ class SwiGLUMLPFunction(torch.autograd.Function):
             weights = (gate_up_weight, down_weight)
             multipliers = (gate_multiplier, down_multiplier)
             grads = mlp_backward_recomputed(dy, x2d, *weights, *multipliers, *needs, *ctx.grad_dtypes)
-            return (
-                *(g if need else None for g, need in zip(grads, needs, strict=True)),
-                None,
-                None,
-                None,
-                None,
-            )
+            dx, dw_gate_up, dw_down = (g if need else None for g, need in zip(grads, needs, strict=True))
+            return dx, dw_gate_up, dw_down, None, None, None, None
         if eager and saved._version:  # refused before a is read (the op refuses it too, compiled)
             refuse_second_walk()
         dw_down = None
