@@ -230,6 +230,8 @@ RAISES = [
         Raises(SystemExit, "2"),
     ),
     ("cli-bench-variant", lambda: main(["bench", "--model", "--variants", "fast"]), Raises(SystemExit, "2")),
+    ("cli-bench-windows-zero", lambda: main(["bench", "--model", "--windows", "0"]), Raises(SystemExit, "2")),
+    ("cli-bench-reps-negative", lambda: main(["bench", "--reps", "-1"]), Raises(SystemExit, "2")),
 ]
 
 

@@ -2,6 +2,7 @@
 this process): compiled by default as one graph, with no graph break and no recompile after the first
 step, however deep, and the first losses of stock eager."""
 
+import itertools
 import json
 
 import pytest
@@ -56,15 +57,40 @@ def test_bench_model_command_writes_its_results(device, tmp_path):
         pytest.skip("the CPU smoke run of the command; on the GPU the benchmark itself runs")
     args = ["bench", "--model-size", "64", "128", "1", "32", "--variants", "stock-eager", "fused-compiled"]
     args += ["--precisions", "fp32", "--device", "cpu", "--backend", "eager", "--reps", "1", "--steps", "1"]
-    assert main([*args, "--host-profile", "--out", str(tmp_path)]) == 0
+    assert main([*args, "--windows", "3", "--host-profile", "--out", str(tmp_path)]) == 0
     out = tmp_path / "model"
     results = json.loads((out / "results.json").read_text())
     assert all(run["host_ops"]["top"] for run in results["runs"])
+    stock, fused = results["runs"]
+    assert len(stock["window_ms"]) == len(fused["window_ms"]) == 3
+    # window by window, against the stock window of the same round
+    want = [f / s for f, s in zip(fused["window_ms"], stock["window_ms"], strict=True)]
+    assert fused["window_ratios_vs_stock_eager"] == pytest.approx(want)
     summary = results["summary"]
     assert [row["variant"] for row in summary] == ["stock-eager", "fused-compiled"]
+    assert summary[1]["vs_stock_eager"] == pytest.approx(sorted(want)[1])
     assert summary[1]["graph_breaks"] == 0 and summary[1]["loss_rel_diff"] < 1e-4
     assert "fused-compiled" in (out / "results.md").read_text()
     assert (out / "step_vs_stock.png").stat().st_size > 0
+
+
+def test_side_by_side_processes_take_turns_and_report_a_failed_variant():
+    """The variants' processes time their windows one at a time, in rotating order; a variant whose
+    process fails is reported with its error and the others still run."""
+    from fused_swiglu.bench.side_by_side import run_side_by_side
+
+    common = {"layers": 1, "precision": "fp32", "steps": 1, "device": "cpu", **TINY}
+    specs = [RunSpec(v, **common) for v in ("stock-eager", "stock-grouped-compiled", "fused-eager")]
+    log = []
+    stock, failed, fused = run_side_by_side(specs, windows=4, timeout=600, log=log.append)
+    assert "needs --moe" in failed["error"]
+    spans = sorted((*span, run["variant"]) for run in (stock, fused) for span in run["window_spans"])
+    assert len(spans) == 8
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in itertools.pairwise(spans))
+    firsts = [name for _, _, name in spans[::2]]  # who went first in each round: the order rotates
+    assert firsts == ["stock-eager", "fused-eager", "stock-eager", "fused-eager"]
+    assert len(stock["window_ms"]) == 4 and stock["losses"] and fused["graphs"] == 0
+    assert any("round 4/4" in line for line in log)
 
 
 def test_moe_model_compiles_to_one_graph_and_trains_like_stock(device):

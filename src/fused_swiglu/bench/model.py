@@ -2,17 +2,15 @@
 
 A ``LlamaForCausalLM`` built from a config (no download), trained with AdamW on random tokens, eager
 and under ``torch.compile``. Every variant runs in a fresh process of its own: a class-level patch
-(Liger's) or a compile cache must not leak into the next one. Each process reports ms per step,
-peak memory, compile seconds, Dynamo's graphs, graph breaks and recompiles, and the first steps'
-losses, which are compared with stock eager's.
+(Liger's) or a compile cache must not leak into the next one. The processes time their windows
+side by side, in turn (side_by_side.py), and each variant is compared with stock window by window.
+Each process reports ms per step, peak memory, compile seconds, Dynamo's graphs, graph breaks and
+recompiles, and the first steps' losses, which are compared with stock eager's.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -44,6 +42,8 @@ EXTRA_VARIANTS = ("stock-compiled-ro", "fused-compiled-ro", "liger-compiled-ro",
 #: With --moe only: transformers' ``grouped_mm`` experts implementation, the stronger stock baseline.
 GROUPED_VARIANTS = ("stock-grouped-compiled",)
 PRECISIONS = ("autocast", "bf16", "fp32")
+#: The variants others are compared with, window by window (``vs stock compiled``, ``vs stock eager``).
+BASES = ("stock-compiled", "stock-eager")
 LOSS_STEPS = 3  # the first steps' losses, compared with stock eager's
 HOST_PROFILE_TOP = 15  # operators listed per run by --host-profile
 
@@ -135,63 +135,87 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_variant(spec: RunSpec) -> dict:
-    """Train ``spec``'s model in this process and report what it measured."""
-    from torch._dynamo.utils import counters
+class Training:
+    """``spec``'s model built (compiled, for a compiled variant) and trained through its first steps in
+    this process, ready to time windows of ``spec.steps`` steps."""
 
-    counters.clear()
-    model = _build_model(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=spec.device.startswith("cuda"))
-    batch = max(1, spec.tokens // spec.sequence)
-    sequence = spec.tokens // batch
-    gen = torch.Generator().manual_seed(1)
-    data = torch.randint(0, spec.vocab, (batch, sequence), generator=gen).to(spec.device)
-    autocast = torch.autocast(
-        spec.device.split(":")[0], dtype=torch.bfloat16, enabled=spec.precision == "autocast"
-    )
+    def __init__(self, spec: RunSpec) -> None:
+        from torch._dynamo.utils import counters
 
-    def step() -> torch.Tensor:
-        if spec.variant.endswith("-ro"):
-            torch.compiler.cudagraph_mark_step_begin()
-        with autocast:
-            loss = model(input_ids=data, labels=data).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
+        counters.clear()
+        self.spec = spec
+        model = _build_model(spec)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=spec.device.startswith("cuda"))
+        batch = max(1, spec.tokens // spec.sequence)
+        sequence = spec.tokens // batch
+        gen = torch.Generator().manual_seed(1)
+        data = torch.randint(0, spec.vocab, (batch, sequence), generator=gen).to(spec.device)
+        autocast = torch.autocast(
+            spec.device.split(":")[0], dtype=torch.bfloat16, enabled=spec.precision == "autocast"
+        )
 
-    start = time.perf_counter()
-    losses = [step()]
-    _sync(spec.device)
-    first_step_s = time.perf_counter() - start
-    graphs_after_first = counters["stats"]["unique_graphs"]
-    losses += [step() for _ in range(LOSS_STEPS - 1)]
-    if spec.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    window_ms = []
-    for _ in range(spec.windows):
-        _sync(spec.device)
+        def step() -> torch.Tensor:
+            if spec.variant.endswith("-ro"):
+                torch.compiler.cudagraph_mark_step_begin()
+            with autocast:
+                loss = model(input_ids=data, labels=data).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
+
+        self.step = step
         start = time.perf_counter()
-        for _ in range(spec.steps):
-            step()
+        losses = [step()]
         _sync(spec.device)
-        window_ms.append((time.perf_counter() - start) * 1e3 / spec.steps)
-    step_ms = statistics.median(window_ms)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if spec.device.startswith("cuda") else None
-    profiled = {"host_ops": host_profile(step, spec.steps)} if spec.host_profile else {}
-    return {
-        **profiled,
-        **asdict(spec),
-        "step_ms": step_ms,
-        "window_ms": window_ms,
-        "tokens_per_s": spec.tokens / step_ms * 1e3,
-        "peak_mib": peak,
-        "compile_s": max(0.0, first_step_s - step_ms / 1e3) if "compiled" in spec.variant else None,
-        "graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first,
-        "losses": [float(loss) for loss in losses],
-    }
+        self.first_step_s = time.perf_counter() - start
+        self.graphs_after_first = counters["stats"]["unique_graphs"]
+        losses += [step() for _ in range(LOSS_STEPS - 1)]
+        self.losses = [float(loss) for loss in losses]
+        if spec.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        self.window_ms: list[float] = []
+
+    def window(self) -> float:
+        """Times ``spec.steps`` training steps; returns (and keeps) ms per step."""
+        _sync(self.spec.device)
+        start = time.perf_counter()
+        for _ in range(self.spec.steps):
+            self.step()
+        _sync(self.spec.device)
+        self.window_ms.append((time.perf_counter() - start) * 1e3 / self.spec.steps)
+        return self.window_ms[-1]
+
+    def result(self) -> dict:
+        """What the run measured, over the windows timed so far."""
+        from torch._dynamo.utils import counters
+
+        spec = self.spec
+        step_ms = statistics.median(self.window_ms)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if spec.device.startswith("cuda") else None
+        profiled = {"host_ops": host_profile(self.step, spec.steps)} if spec.host_profile else {}
+        compiled = "compiled" in spec.variant
+        return {
+            **profiled,
+            **asdict(spec),
+            "step_ms": step_ms,
+            "window_ms": self.window_ms,
+            "tokens_per_s": spec.tokens / step_ms * 1e3,
+            "peak_mib": peak,
+            "compile_s": max(0.0, self.first_step_s - step_ms / 1e3) if compiled else None,
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "recompiles": counters["stats"]["unique_graphs"] - self.graphs_after_first,
+            "losses": self.losses,
+        }
+
+
+def run_variant(spec: RunSpec) -> dict:
+    """Train ``spec``'s model in this process for ``spec.windows`` windows and report what it measured."""
+    training = Training(spec)
+    for _ in range(spec.windows):
+        training.window()
+    return training.result()
 
 
 def host_profile(step, steps: int, top: int = HOST_PROFILE_TOP) -> dict:
@@ -228,20 +252,6 @@ def host_profile_table(result: dict) -> str:
     return title + "\n" + format_table(["operator", "calls/step", "self us/step", "total us/step"], cells)
 
 
-def run_in_fresh_process(spec: RunSpec, timeout: float | None = None) -> dict:
-    """``run_variant(spec)`` in a new Python process; a failure is reported, not raised."""
-    command = [sys.executable, "-m", "fused_swiglu.bench.model", json.dumps(asdict(spec))]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**asdict(spec), "error": f"timed out after {timeout} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return {**asdict(spec), "error": " / ".join(tail) or f"exit code {done.returncode}"}
-
-
 def loss_agreement(results: list[dict]) -> None:
     """Adds ``loss_rel_diff``: the largest relative difference of a run's first losses from stock
     eager's, in the same size and precision (``None`` where stock eager did not run)."""
@@ -258,8 +268,9 @@ def loss_agreement(results: list[dict]) -> None:
 
 
 def _summary(results: list[dict]) -> list[dict]:
-    """One row per (size, precision, variant): medians over repetitions, the spread, ratios to stock
-    compiled and stock eager of the same size and precision."""
+    """One row per (size, precision, variant): the median and range of its windows over every
+    repetition, and the median and range of its window-by-window ratios to stock compiled and stock
+    eager (``window_ratios``)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["hidden"], r["intermediate"], r["layers"], r["tokens"], r["precision"], r["variant"])
@@ -287,7 +298,7 @@ def _summary(results: list[dict]) -> list[dict]:
             "error": next((r["error"] for r in runs if "error" in r), None),
         }
         if ok:
-            ms = [r["step_ms"] for r in ok]
+            ms = [w for r in ok for w in r["window_ms"]]
             row |= {
                 "step_ms": statistics.median(ms),
                 "step_ms_min": min(ms),
@@ -302,14 +313,37 @@ def _summary(results: list[dict]) -> list[dict]:
                 "recompiles": max(r["recompiles"] for r in ok),
                 "loss_rel_diff": max((r["loss_rel_diff"] for r in ok if "loss_rel_diff" in r), default=None),
             }
+            for base in BASES:
+                ratios = [x for r in ok for x in r.get(_ratio_key(base), ())]
+                if ratios:
+                    row[f"vs_{base.replace('-', '_')}"] = statistics.median(ratios)
+                    row[f"vs_{base.replace('-', '_')}_spread"] = (min(ratios), max(ratios))
         rows.append(row)
-    by_key = {(row["size"], row["precision"], row["variant"]): row for row in rows}
-    for row in rows:
-        for base in ("stock-compiled", "stock-eager"):
-            other = by_key.get((row["size"], row["precision"], base), {})
-            if "step_ms" in other and "step_ms" in row:
-                row[f"vs_{base.replace('-', '_')}"] = row["step_ms"] / other["step_ms"]
     return rows
+
+
+def _ratio_key(base: str) -> str:
+    return f"window_ratios_vs_{base.replace('-', '_')}"
+
+
+def window_ratios(results: list[dict]) -> None:
+    """Adds each run's window-by-window ratios to each base variant's run of the same size, precision
+    and repetition: its i-th window over the base's i-th, timed in the same round seconds apart."""
+    runs = {_run_key(r) + (r["variant"],): r for r in results if "window_ms" in r}
+    for r in results:
+        for base in BASES:
+            other = runs.get(_run_key(r) + (base,))
+            if "window_ms" in r and other is not None:
+                pairs = zip(r["window_ms"], other["window_ms"], strict=True)
+                r[_ratio_key(base)] = [mine / theirs for mine, theirs in pairs]
+
+
+_RUN_FIELDS = ("hidden", "intermediate", "layers", "tokens", "precision", "lora_rank", "experts", "top_k")
+
+
+def _run_key(r: dict) -> tuple:
+    """What the runs of one side-by-side call share."""
+    return (*(r.get(field) for field in _RUN_FIELDS), r.get("rep", 0))
 
 
 MODEL_COLUMNS = [
@@ -319,6 +353,7 @@ MODEL_COLUMNS = [
     ("step_ms", "ms/step"),
     ("spread", "min-max"),
     ("vs_stock_compiled", "vs stock compiled"),
+    ("ratio_spread", "ratio min-max"),
     ("vs_stock_eager", "vs stock eager"),
     ("tokens_per_s", "tokens/s"),
     ("peak_mib", "peak MiB"),
@@ -335,8 +370,12 @@ def _cells(row: dict) -> list:
         return [row["size"], row["precision"], row["variant"], f"failed: {row['error']}"] + [""] * (
             len(MODEL_COLUMNS) - 4
         )
-    spread = f"{row['step_ms_min']:.2f}-{row['step_ms_max']:.2f}"
-    return [spread if key == "spread" else row.get(key) for key, _ in MODEL_COLUMNS]
+    ratios = row.get("vs_stock_compiled_spread")
+    spreads = {
+        "spread": f"{row['step_ms_min']:.2f}-{row['step_ms_max']:.2f}",
+        "ratio_spread": f"{ratios[0]:.3f}-{ratios[1]:.3f}" if ratios else None,
+    }
+    return [spreads[key] if key in spreads else row.get(key) for key, _ in MODEL_COLUMNS]
 
 
 def model_table(rows: list[dict], markdown: bool = False) -> str:
@@ -379,6 +418,7 @@ def run_model_bench(
     *,
     reps: int,
     steps: int,
+    windows: int = 10,
     device: str = "cuda",
     backend: str = "inductor",
     timeout: float | None = None,
@@ -387,15 +427,18 @@ def run_model_bench(
     host_profile: bool = False,
     log=print,
 ) -> tuple[list[dict], list[dict]]:
-    """Every (size, precision, variant) ``reps`` times, each in a fresh process, the order of the
-    variants rotating every repetition; returns every run and the summary rows."""
+    """Every (size, precision) ``reps`` times: its variants side by side, each in a fresh process,
+    ``windows`` windows of ``steps`` steps each in turn (side_by_side.py); returns every run and the
+    summary rows."""
+    from .side_by_side import run_side_by_side
+
     results = []
     for name, (hidden, inter, layers, tokens) in sizes.items():
         for precision in precisions:
             for rep in range(reps):
-                shift = rep % len(variants)
-                for variant in variants[shift:] + variants[:shift]:
-                    spec = RunSpec(
+                log(f"[{name} {precision} rep {rep + 1}/{reps}] {len(variants)} variants side by side")
+                specs = [
+                    RunSpec(
                         variant,
                         hidden,
                         inter,
@@ -403,6 +446,7 @@ def run_model_bench(
                         tokens,
                         precision,
                         steps,
+                        windows=windows,
                         device=device,
                         backend=backend,
                         lora_rank=lora_rank,
@@ -410,16 +454,14 @@ def run_model_bench(
                         top_k=moe[1] if moe else 2,
                         host_profile=host_profile,
                     )
-                    r = run_in_fresh_process(spec, timeout=timeout)
-                    results.append(r)
+                    for variant in variants
+                ]
+                for r in run_side_by_side(specs, windows, timeout, log):
+                    results.append({**r, "rep": rep})
                     what = r.get("error") or f"{r['step_ms']:.2f} ms/step, peak {r['peak_mib'] or 0:.0f} MiB"
-                    log(f"[{name} {precision} rep {rep + 1}/{reps}] {variant}: {what}")
+                    log(f"[{name} {precision} rep {rep + 1}/{reps}] {r['variant']}: {what}")
                     if "host_ops" in r:
                         log(host_profile_table(r))
     loss_agreement(results)
+    window_ratios(results)
     return results, _summary(results)
-
-
-if __name__ == "__main__":
-    result = run_variant(RunSpec(**json.loads(sys.argv[1])))
-    print(json.dumps(result), flush=True)

@@ -68,6 +68,14 @@ def chosen_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser)
     add_experts_arguments(parser)
@@ -82,9 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of every tensor")
     parser.add_argument(
         "--reps",
-        type=int,
+        type=positive_int,
         default=5,
-        help="interleaved repetitions per metric (with --model: fresh processes per variant)",
+        help="interleaved repetitions per metric (with --model: side-by-side runs, fresh processes each)",
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     parser.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
@@ -164,7 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="autocast: fp32 weights under bf16 autocast (default); bf16: every tensor bf16; fp32: no "
         "autocast (on CPU the interpreter's bf16 dot is wrong, so bf16 calls take the reference there)",
     )
-    model.add_argument("--steps", type=int, default=20, help="training steps per timing window")
+    model.add_argument("--steps", type=positive_int, default=20, help="training steps per timing window")
+    model.add_argument(
+        "--windows",
+        type=positive_int,
+        default=10,
+        help="timing windows per variant, taken in turn by the variants' processes (default 10)",
+    )
     model.add_argument(
         "--lora-rank",
         type=int,
@@ -395,6 +409,7 @@ def run_model(args: argparse.Namespace) -> int:
         args.precisions,
         reps=args.reps,
         steps=args.steps,
+        windows=args.windows,
         device=args.device,
         backend=args.backend,
         timeout=args.timeout,
@@ -410,8 +425,10 @@ def run_model(args: argparse.Namespace) -> int:
     header = (
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
         f"{meta.get('transformers')}, liger-kernel {meta.get('liger_kernel')}, commit {meta['commit'][:12]}, "
-        f"{meta['date']}. Median of {args.reps} fresh processes per variant (min-max beside it), "
-        f"{args.steps} steps per timing window."
+        f"{meta['date']}. Each variant in a fresh process ({args.reps} per variant), the processes side "
+        f"by side taking turns: {args.windows} rounds of one window of {args.steps} steps each. ms/step: "
+        "median (min-max) of the windows; vs stock: median (min-max) of the window-by-window ratios to "
+        "stock's window of the same round."
     )
     (out / "results.md").write_text(f"# Whole-model training step\n\n{header}\n\n{model_table(rows, True)}\n")
     written = [out / "results.json", out / "results.md"]
