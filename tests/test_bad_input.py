@@ -235,6 +235,12 @@ RAISES = [
 ]
 
 
+def test_cli_refuses_too_few_processes_at_once_for_the_stock_variants(capsys):
+    args = ["bench", "--model-size", "64", "128", "1", "32", "--device", "cpu", "--at-once", "1"]
+    assert main([*args, "--variants", "stock-compiled", "fused-compiled"]) == 2
+    assert "no room beside stock-compiled" in capsys.readouterr().out
+
+
 def test_cli_refuses_a_glu_shape_of_the_wrong_length(capsys):
     if torch.cuda.is_available():
         assert main(["bench", "--shapes", "--glu", "1", "2"]) == 2

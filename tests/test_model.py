@@ -93,6 +93,20 @@ def test_side_by_side_processes_take_turns_and_report_a_failed_variant():
     assert any("round 4/4" in line for line in log)
 
 
+def test_side_by_side_groups_hold_the_stock_variants_in_each():
+    from fused_swiglu.bench.model import side_by_side_groups
+
+    variants = ["stock-eager", "fused-eager", "stock-compiled", "liger-compiled", "fused-compiled"]
+    assert side_by_side_groups(variants, 4) == [
+        ["stock-eager", "fused-eager", "stock-compiled", "liger-compiled"],
+        ["stock-eager", "stock-compiled", "fused-compiled"],
+    ]
+    assert side_by_side_groups(variants, 9) == [variants]
+    assert side_by_side_groups(["stock-compiled"], 1) == [["stock-compiled"]]
+    with pytest.raises(ValueError, match="no room"):
+        side_by_side_groups(variants, 2)
+
+
 def test_moe_model_compiles_to_one_graph_and_trains_like_stock(device):
     """``bench --model --moe``: a Qwen3-MoE model whose routed experts are swapped, compiled."""
     torch._dynamo.reset()

@@ -10,6 +10,7 @@ recompiles, and the first steps' losses, which are compared with stock eager's.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -343,7 +344,7 @@ _RUN_FIELDS = ("hidden", "intermediate", "layers", "tokens", "precision", "lora_
 
 def _run_key(r: dict) -> tuple:
     """What the runs of one side-by-side call share."""
-    return (*(r.get(field) for field in _RUN_FIELDS), r.get("rep", 0))
+    return (*(r.get(field) for field in _RUN_FIELDS), r.get("rep", 0), r.get("group", 0))
 
 
 MODEL_COLUMNS = [
@@ -411,6 +412,21 @@ def plot_model(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
+def side_by_side_groups(variants: list[str], at_once: int) -> list[list[str]]:
+    """The variants in groups of at most ``at_once`` (each process holds its model and optimizer on
+    the GPU while the others run), every group with the bases among them, whose windows the others
+    are compared with."""
+    bases = [v for v in variants if v in BASES]
+    others = [v for v in variants if v not in BASES]
+    if not others:
+        return [bases]
+    room = at_once - len(bases)
+    if room < 1:
+        raise ValueError(f"{at_once} processes at once leave no room beside {', '.join(bases)}")
+    chunks = [others[i : i + room] for i in range(0, len(others), room)]
+    return [[v for v in variants if v in bases or v in chunk] for chunk in chunks]
+
+
 def run_model_bench(
     sizes: dict[str, tuple[int, int, int, int]],
     variants: list[str],
@@ -419,6 +435,7 @@ def run_model_bench(
     reps: int,
     steps: int,
     windows: int = 10,
+    at_once: int = 4,
     device: str = "cuda",
     backend: str = "inductor",
     timeout: float | None = None,
@@ -428,15 +445,16 @@ def run_model_bench(
     log=print,
 ) -> tuple[list[dict], list[dict]]:
     """Every (size, precision) ``reps`` times: its variants side by side, each in a fresh process,
-    ``windows`` windows of ``steps`` steps each in turn (side_by_side.py); returns every run and the
-    summary rows."""
+    ``windows`` windows of ``steps`` steps each in turn (side_by_side.py), at most ``at_once``
+    processes at a time (``side_by_side_groups``); returns every run and the summary rows."""
     from .side_by_side import run_side_by_side
 
+    groups = side_by_side_groups(variants, at_once)
     results = []
     for name, (hidden, inter, layers, tokens) in sizes.items():
         for precision in precisions:
-            for rep in range(reps):
-                log(f"[{name} {precision} rep {rep + 1}/{reps}] {len(variants)} variants side by side")
+            for rep, (group, group_variants) in itertools.product(range(reps), enumerate(groups)):
+                log(f"[{name} {precision} rep {rep + 1}/{reps}] side by side: {', '.join(group_variants)}")
                 specs = [
                     RunSpec(
                         variant,
@@ -454,10 +472,10 @@ def run_model_bench(
                         top_k=moe[1] if moe else 2,
                         host_profile=host_profile,
                     )
-                    for variant in variants
+                    for variant in group_variants
                 ]
                 for r in run_side_by_side(specs, windows, timeout, log):
-                    results.append({**r, "rep": rep})
+                    results.append({**r, "rep": rep, "group": group})
                     what = r.get("error") or f"{r['step_ms']:.2f} ms/step, peak {r['peak_mib'] or 0:.0f} MiB"
                     log(f"[{name} {precision} rep {rep + 1}/{reps}] {r['variant']}: {what}")
                     if "host_ops" in r:

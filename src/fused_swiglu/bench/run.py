@@ -25,6 +25,7 @@ from .model import (
     model_table,
     plot_model,
     run_model_bench,
+    side_by_side_groups,
 )
 from .report import provenance, provenance_header, shape_table, write_json, write_markdown, write_plots
 
@@ -178,6 +179,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=10,
         help="timing windows per variant, taken in turn by the variants' processes (default 10)",
+    )
+    model.add_argument(
+        "--at-once",
+        type=positive_int,
+        default=4,
+        help="variants' processes alive side by side at most, each holding its model on the GPU "
+        "(default 4); stock compiled and stock eager, where asked for, run in every group",
     )
     model.add_argument(
         "--lora-rank",
@@ -399,6 +407,11 @@ def run_model(args: argparse.Namespace) -> int:
     if grouped and not args.moe:
         print(f"{', '.join(grouped)}: transformers' grouped experts, for --moe models only")
         return 2
+    try:
+        side_by_side_groups(args.variants, args.at_once)
+    except ValueError as error:
+        print(f"bench --model --at-once: {error}")
+        return 2
     sizes = {name: MODEL_SIZES[name] for name in (args.model or ([] if args.model_size else MODEL_SIZES))}
     sizes |= {f"{h}/{i}x{n}-{t}": (h, i, n, t) for h, i, n, t in args.model_size}
     meta = provenance(args.commit, args.device)
@@ -410,6 +423,7 @@ def run_model(args: argparse.Namespace) -> int:
         reps=args.reps,
         steps=args.steps,
         windows=args.windows,
+        at_once=args.at_once,
         device=args.device,
         backend=args.backend,
         timeout=args.timeout,
@@ -425,8 +439,9 @@ def run_model(args: argparse.Namespace) -> int:
     header = (
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
         f"{meta.get('transformers')}, liger-kernel {meta.get('liger_kernel')}, commit {meta['commit'][:12]}, "
-        f"{meta['date']}. Each variant in a fresh process ({args.reps} per variant), the processes side "
-        f"by side taking turns: {args.windows} rounds of one window of {args.steps} steps each. ms/step: "
+        f"{meta['date']}. Each variant in a fresh process, {args.reps} time(s), at most {args.at_once} "
+        "processes side by side (stock's variants in every group) taking turns: "
+        f"{args.windows} rounds of one window of {args.steps} steps each. ms/step: "
         "median (min-max) of the windows; vs stock: median (min-max) of the window-by-window ratios to "
         "stock's window of the same round."
     )
