@@ -15,6 +15,7 @@ are JSON lines after ``ANSWER``; anything else the process prints is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -64,7 +65,7 @@ class Worker:
         try:
             answer = self._answers.get(timeout=timeout)
         except queue.Empty:
-            self.stop()
+            self.stop(grace=0)
             raise WorkerFailed(f"no answer within {timeout} s") from None
         if answer is None:
             self._process.wait()
@@ -77,10 +78,15 @@ class Worker:
         self._stderr.seek(0)
         return " / ".join(self._stderr.read().strip().splitlines()[-3:])
 
-    def stop(self) -> None:
-        if self._process.poll() is None:
+    def stop(self, grace: float = 10.0) -> None:
+        """Ends the process: its input closed, ``grace`` seconds to exit, then killed."""
+        with contextlib.suppress(OSError):  # already gone
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
             self._process.kill()
-        self._process.wait()
+            self._process.wait()
         self._stderr.close()
 
 
