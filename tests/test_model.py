@@ -93,6 +93,14 @@ def test_side_by_side_processes_take_turns_and_report_a_failed_variant():
     assert any("round 4/4" in line for line in log)
 
 
+def test_a_worker_that_does_not_answer_in_time_is_stopped_and_reported():
+    from fused_swiglu.bench.side_by_side import run_side_by_side
+
+    spec = RunSpec("stock-eager", layers=1, precision="fp32", steps=1, device="cpu", **TINY)
+    (run,) = run_side_by_side([spec], windows=1, timeout=0.01, log=lambda line: None)
+    assert run["error"] == "no answer within 0.01 s" and run["variant"] == "stock-eager"
+
+
 def test_side_by_side_groups_hold_the_stock_variants_in_each():
     from fused_swiglu.bench.model import side_by_side_groups
 
