@@ -1,0 +1,91 @@
+"""Whole-model variants trained in one process, their windows interleaved, with a host profile each.
+
+`bench --model` gives every variant a fresh process, which a user's run is, but each process gets the
+host's speed of its own moment. Here the variants share one process and one host state, so a ratio
+says what the library's own host path costs; the profile lists each variant's busiest host operators
+per step and `aten::mm` by input shapes. Liger's patch replaces transformers classes globally: name
+a liger variant last, or not at all. Writes the per-window ms/step as JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+from fused_swiglu.bench.model import RunSpec, Training, _sync
+
+PROFILED_STEPS = 5
+
+
+def host_profile(name: str, training: Training, top: int) -> None:
+    _sync(training.spec.device)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(PROFILED_STEPS):
+            training.step()
+        _sync(training.spec.device)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / PROFILED_STEPS / 1e3
+    print(f"==== {name}: host self time {total:.2f} ms/step (profiled), top ops per step:")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        per_step = e.self_cpu_time_total / PROFILED_STEPS / 1e3
+        per_call = e.self_cpu_time_total / max(e.count, 1)
+        print(
+            f"  {per_step:8.3f} ms  {e.count / PROFILED_STEPS:7.1f} calls  {per_call:7.1f} us  {e.key[:90]}"
+        )
+    print(f"  -- aten::mm by input shapes ({name}):")
+    by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::mm"]
+    for e in sorted(by_shape, key=lambda e: -e.cpu_time_total):
+        per_step = e.cpu_time_total / PROFILED_STEPS / 1e3
+        per_call = e.cpu_time_total / max(e.count, 1)
+        print(
+            f"  {per_step:8.3f} ms  {e.count / PROFILED_STEPS:6.1f} calls  {per_call:7.1f} us  "
+            f"{e.input_shapes}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("size", nargs=4, type=int, help="HIDDEN INTER LAYERS TOKENS")
+    parser.add_argument("variants", help="comma-separated bench --model variants; the first is the base")
+    parser.add_argument("--rounds", type=int, default=12, help="windows per variant, taken in turn")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per window")
+    parser.add_argument("--top", type=int, default=25, help="host operators listed per variant")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (interpreter)")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    hidden, inter, layers, tokens = args.size
+    variants = args.variants.split(",")
+    runs = {}
+    for name in variants:
+        start = time.perf_counter()
+        spec = RunSpec(name, hidden, inter, layers, tokens, steps=args.steps, device=args.device)
+        runs[name] = Training(spec)
+        print(f"{name}: ready in {time.perf_counter() - start:.1f} s, losses {runs[name].losses}", flush=True)
+    ms: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.rounds):
+        shift = r % len(variants)
+        for name in variants[shift:] + variants[:shift]:  # the order rotates round by round
+            ms[name].append(runs[name].window())
+        print(f"round {r + 1}: " + ", ".join(f"{n} {ms[n][-1]:.2f}" for n in variants), flush=True)
+    base = variants[0]
+    for name in variants:
+        ratios = [a / b for a, b in zip(ms[name], ms[base], strict=True)]
+        print(
+            f"{name:22s} median {statistics.median(ms[name]):7.2f} ms/step  min {min(ms[name]):7.2f}  "
+            f"vs {base} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        )
+    for name in variants:
+        host_profile(name, runs[name], args.top)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"in-one-process-{hidden}x{layers}.json"
+    path.write_text(json.dumps(ms, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
