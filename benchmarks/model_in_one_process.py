@@ -15,37 +15,9 @@ import statistics
 import time
 from pathlib import Path
 
-from torch.profiler import ProfilerActivity, profile
-
-from fused_swiglu.bench.model import RunSpec, Training, _sync
+from fused_swiglu.bench.model import RunSpec, Training, host_profile, host_profile_table
 
 PROFILED_STEPS = 5
-
-
-def host_profile(name: str, training: Training, top: int) -> None:
-    _sync(training.spec.device)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(PROFILED_STEPS):
-            training.step()
-        _sync(training.spec.device)
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) / PROFILED_STEPS / 1e3
-    print(f"==== {name}: host self time {total:.2f} ms/step (profiled), top ops per step:")
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
-        per_step = e.self_cpu_time_total / PROFILED_STEPS / 1e3
-        per_call = e.self_cpu_time_total / max(e.count, 1)
-        print(
-            f"  {per_step:8.3f} ms  {e.count / PROFILED_STEPS:7.1f} calls  {per_call:7.1f} us  {e.key[:90]}"
-        )
-    print(f"  -- aten::mm by input shapes ({name}):")
-    by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::mm"]
-    for e in sorted(by_shape, key=lambda e: -e.cpu_time_total):
-        per_step = e.cpu_time_total / PROFILED_STEPS / 1e3
-        per_call = e.cpu_time_total / max(e.count, 1)
-        print(
-            f"  {per_step:8.3f} ms  {e.count / PROFILED_STEPS:6.1f} calls  {per_call:7.1f} us  "
-            f"{e.input_shapes}"
-        )
 
 
 def main() -> None:
@@ -80,7 +52,8 @@ def main() -> None:
             f"vs {base} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
         )
     for name in variants:
-        host_profile(name, runs[name], args.top)
+        profile = host_profile(runs[name].step, PROFILED_STEPS, args.top, by_shape=("aten::mm",))
+        print(host_profile_table({"variant": name, "host_ops": profile}))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"in-one-process-{hidden}x{layers}.json"
     path.write_text(json.dumps(ms, indent=1))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fused_swiglu.bench.model import RunSpec, run_variant
+from fused_swiglu.bench.model import RunSpec, host_profile, run_variant
 
 pytest.importorskip("transformers")
 
@@ -150,3 +150,21 @@ def test_host_profile_names_the_fused_ops(device):
     forward = next(row for row in profile["top"] if row["name"] == "fused_swiglu::glu_forward")
     assert forward["calls"] == 2  # one per layer and step
     assert 0 < forward["self_us"] <= forward["total_us"] and profile["self_us"] >= forward["self_us"]
+
+
+def test_host_profile_by_shape_lists_each_shape_of_the_named_operators():
+    a, b, c = torch.randn(4, 8), torch.randn(8, 3), torch.randn(8, 5)
+
+    def step():
+        torch.mm(a, b)
+        torch.mm(a, c)
+        torch.mm(a, c)
+        torch.add(a, 1)
+
+    profile = host_profile(step, 2, by_shape=("aten::mm",))
+    found = {str(row["shapes"]): row["calls"] for row in profile["by_shape"]}
+    assert found == {"[[4, 8], [8, 3]]": 1, "[[4, 8], [8, 5]]": 2}
+    assert {row["name"] for row in profile["by_shape"]} == {"aten::mm"}
+    totals = [row["total_us"] for row in profile["by_shape"]]
+    assert totals == sorted(totals, reverse=True)
+    assert "by_shape" not in host_profile(step, 1)

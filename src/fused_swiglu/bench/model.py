@@ -219,28 +219,33 @@ def run_variant(spec: RunSpec) -> dict:
     return training.result()
 
 
-def host_profile(step, steps: int, top: int = HOST_PROFILE_TOP) -> dict:
+def _profile_row(event, steps: int) -> dict:
+    return {
+        "name": event.key,
+        "calls": event.count / steps,
+        "self_us": event.self_cpu_time_total / steps,
+        "total_us": event.cpu_time_total / steps,
+    }
+
+
+def host_profile(step, steps: int, top: int = HOST_PROFILE_TOP, by_shape: tuple[str, ...] = ()) -> dict:
     """Where the host's time goes over ``steps`` training steps: torch.profiler's CPU activity, per
     operator (aten ops, custom ops, compiled kernels' launches, the graph's own frames) its calls and
     its self and total host microseconds per step, the ``top`` by self time; ``self_us`` is every
-    operator's self time together, per step."""
+    operator's self time together, per step. The operators named in ``by_shape`` are also listed
+    per input shapes (``"by_shape"``; recording shapes adds host time to every operator)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=bool(by_shape)) as prof:
         for _ in range(steps):
             step()
-    events = prof.key_averages()
-    rows = [
-        {
-            "name": e.key,
-            "calls": e.count / steps,
-            "self_us": e.self_cpu_time_total / steps,
-            "total_us": e.cpu_time_total / steps,
-        }
-        for e in events
-    ]
-    rows.sort(key=lambda row: row["self_us"], reverse=True)
-    return {"self_us": sum(row["self_us"] for row in rows), "top": rows[:top]}
+    rows = sorted((_profile_row(e, steps) for e in prof.key_averages()), key=lambda r: -r["self_us"])
+    result = {"self_us": sum(row["self_us"] for row in rows), "top": rows[:top]}
+    if by_shape:
+        shaped = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in by_shape]
+        rows = [{**_profile_row(e, steps), "shapes": e.input_shapes} for e in shaped]
+        result["by_shape"] = sorted(rows, key=lambda r: -r["total_us"])
+    return result
 
 
 def host_profile_table(result: dict) -> str:
@@ -250,7 +255,11 @@ def host_profile_table(result: dict) -> str:
     profile = result["host_ops"]
     cells = [[r["name"][:60], r["calls"], r["self_us"], r["total_us"]] for r in profile["top"]]
     title = f"{result['variant']}: {profile['self_us']:.0f} us of operator host time per step"
-    return title + "\n" + format_table(["operator", "calls/step", "self us/step", "total us/step"], cells)
+    table = title + "\n" + format_table(["operator", "calls/step", "self us/step", "total us/step"], cells)
+    if "by_shape" in profile:
+        cells = [[r["name"], str(r["shapes"]), r["calls"], r["total_us"]] for r in profile["by_shape"]]
+        table += "\n" + format_table(["operator", "input shapes", "calls/step", "total us/step"], cells)
+    return table
 
 
 def loss_agreement(results: list[dict]) -> None:
