@@ -11,7 +11,9 @@ rotating rounds: the eager ``SwiGLUMLP`` training call under bf16 autocast with 
 one graph (the ops' bodies are not traced, so their timers stay in; a timer on the Functions'
 ``torch.mm`` would take the GEMMs out of the graph and is left out there); the two ops and the
 Functions' three GEMMs called alone in a loop, as they are, under autocast, under ``no_grad`` and
-with new input tensors every call.
+with new input tensors every call. Launch plans (kernels/plans.py) replay an op's later calls with a
+signature past the passes, so the passes' timers count first calls only; the wall time per call
+is the measure.
 """
 
 from __future__ import annotations

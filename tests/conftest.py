@@ -67,5 +67,13 @@ def nan_poisoned_allocations(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def no_plans_from_earlier_tests():
+    """Launch plans recorded in another test (perhaps under a patched kernel choice) are dropped."""
+    from fused_swiglu.kernels import plans
+
+    plans.forget()
+
+
+@pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)

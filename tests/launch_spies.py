@@ -7,13 +7,16 @@ calls one that is not listed.
 """
 
 import fused_swiglu.passes as passes_mod
+from fused_swiglu.kernels import plans
 
 FORWARD_LAUNCHERS = ("glu_forward", "glu_forward_ws", "glu_forward_split")
 BACKWARD_LAUNCHERS = ("glu_backward_", "glu_backward_ws_", "glu_backward_split_")
 
 
 def wrap_launchers(monkeypatch, names, around) -> None:
-    """Replace each launcher in ``names`` with ``around(real, *args, **kwargs)``."""
+    """Replace each launcher in ``names`` with ``around(real, *args, **kwargs)``; no launch plan
+    replays meanwhile (a replay goes past them)."""
+    monkeypatch.setattr(plans, "REPLAY", False)
     for name in names:
         real = getattr(passes_mod, name)
         monkeypatch.setattr(

@@ -29,8 +29,9 @@ import functools
 
 import torch
 
-from .kernels.common import Saved, bind_cuda_context, tma_ready
+from .kernels.common import Saved, bind_cuda_context, empty, tma_ready
 from .kernels.glu_grad import glu_grad_
+from .kernels.plans import planned
 from .library import define
 from .passes import glu_grads, glu_grads_recomputed, glu_pass, mlp_gradient_, mlp_grads_recomputed, mm_as
 
@@ -88,7 +89,7 @@ def _fake_grads(like: torch.Tensor, shapes, needs, dtypes) -> tuple[torch.Tensor
 
 def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     # Custom ops return tensors only: what a save mode does not keep is an empty tensor.
-    return like.new_empty(0) if t is None else t
+    return empty((0,), like) if t is None else t
 
 
 # The ops ---------------------------------------------------------------------------------------------
@@ -105,6 +106,7 @@ def _low_rank(u, v) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 @_on_tensor_device
+@planned
 def _glu_forward(x2d, gate_up_weight, gate_multiplier, down_multiplier, save, u, v):
     """x [M, H], packed [2I, H] -> ``a`` [M, I] (with the down multiplier) and what the save mode
     ``save`` keeps (empty for ``"recompute"``); ``save="inference"`` keeps nothing either."""
@@ -135,6 +137,11 @@ def _mlp_gradient(dy, down_weight, saved, gate_multiplier, down_multiplier, save
     """The MLP's packed pre-activation gradient [dU | dG], written over ``saved`` and returned in its
     memory, and ``a`` recomputed for saved pre-activations (empty for saved factors)."""
     _overwrite_once(saved)
+    return _mlp_gradient_pass(dy, down_weight, saved, gate_multiplier, down_multiplier, save)
+
+
+@planned
+def _mlp_gradient_pass(dy, down_weight, saved, gate_multiplier, down_multiplier, save):
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(dy), tma_ready(down_weight))
     key = ("mlp", save, *_signature(*args, saved))
@@ -160,6 +167,11 @@ def _glu_gradient(da, factors):
     """The GLU operator's packed pre-activation gradient [dU | dG] from dA and the saved factors,
     written over ``factors`` and returned in its memory."""
     _overwrite_once(factors)
+    return _glu_gradient_pass(da, factors)
+
+
+@planned
+def _glu_gradient_pass(da, factors):
     da = da.contiguous()
     glu_grad_(da, factors, caller_key=("glu", *_signature(da, factors)))
     return factors

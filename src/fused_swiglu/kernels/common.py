@@ -58,9 +58,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+#: The launch plan this thread is recording (plans.py), if any: told of each allocation and launch.
+RECORDING = threading.local()
+
+
 def empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Every buffer a launcher hands to a kernel comes from here, on ``like``'s device, in ``dtype``
     (``like``'s by default): ``torch.empty``, which the tests fill with NaN."""
+    recording = getattr(RECORDING, "active", None)
+    if recording is not None:
+        return recording.allocate(shape, dtype or like.dtype, like.device)
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
-from .common import bind_cuda_context, interpreting
+from .common import RECORDING, bind_cuda_context, interpreting
 
 #: Whether a cached launch may call the compiled kernel directly (see the module docstring).
 DIRECT = triton.__version__.startswith("3.6.") and not interpreting()
@@ -99,6 +99,11 @@ def _current_device() -> int:
 
 def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _runtime() -> tuple:
+    """Triton's switches that change what it compiles (part of every launch key)."""
+    return triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode
 
 
 def _hooks_installed() -> bool:
@@ -204,16 +209,26 @@ class KernelLauncher:
         (the caller's input shapes, strides, dtypes and alignments, from which it makes the rest):
         a later call with the same key and constexprs skips the key built argument by argument, the
         larger part of this launch's host time. ``VERIFY`` checks it against that key."""
+        recording = getattr(RECORDING, "active", None)
+        if recording is None:
+            self._launch(grid, args, caller_key, constexprs)
+            return
+        with recording.step():
+            entry = self._launch(grid, args, caller_key, constexprs)
+        recording.launched(BoundLaunch(self, entry, grid, args, caller_key, constexprs, recording.index_of))
+
+    def _launch(self, grid, args: tuple, caller_key: Hashable, constexprs: dict) -> _Entry | None:
+        """Launches; returns the entry launched directly from now on (None: through Triton only)."""
         if not DIRECT or _hooks_installed():
             self._through_triton(grid, args, constexprs)
-            return
+            return None
         device = _current_device()
-        runtime = triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode
+        runtime = _runtime()
         fast_key = None if caller_key is None else (device, runtime, caller_key, tuple(constexprs.items()))
         entry = None if fast_key is None or VERIFY else self._by_caller_key.get(fast_key)
         if entry is not None:
             self._run(entry, grid, device, args)
-            return
+            return entry
         key = (device, runtime, tuple(map(_key_of, args)), tuple(constexprs.items()))
         entry = self._compiled.get(key)
         if entry is None or VERIFY:
@@ -233,9 +248,10 @@ class KernelLauncher:
                     "with the same launch key; the key misses something Triton specializes on"
                 )
             self._remember(fast_key, entry)
-            return
+            return entry
         self._remember(fast_key, entry)
         self._run(entry, grid, device, args)
+        return entry
 
     def _remember(self, fast_key, entry) -> None:
         if fast_key is None:
@@ -271,4 +287,73 @@ class KernelLauncher:
         entry.launch(*grid3, stream, compiled.function, *entry.head, *flat, *entry.tail)
 
 
-__all__ = ["DIRECT", "VERIFY", "KernelLauncher", "Tma"]
+class _Slot(NamedTuple):
+    """One runtime argument of a bound launch: a tensor of the plan's pool, or a constant."""
+
+    index: int | None  # the tensor's place in the pool; None: ``value`` is the argument
+    block: tuple[int, ...] | None  # a ``Tma`` argument's tile
+    value: Any
+    descriptor: _Descriptor | None  # its expansion for the C launcher, on a direct launch
+
+
+class BoundLaunch:
+    """One launch of a recorded call (plans.py), issued again on the tensors of a later call.
+
+    Its tensors are named by their place in the plan's pool (``index_of``); ``resolved`` is False
+    where one has no place there. A later call launches the compiled kernel directly, with the same
+    grid and constants, while what Triton would choose cannot have changed (no hook, no
+    verification, the same switches and device); otherwise through the launcher."""
+
+    def __init__(
+        self, launcher: KernelLauncher, entry: _Entry | None, grid, args, caller_key, constexprs, index_of
+    ):
+        self.launcher, self.grid, self.caller_key, self.constexprs = launcher, grid, caller_key, constexprs
+        self.entry = entry if entry is not None and entry.launch is not None else None
+        self.grid3 = (*grid, 1, 1)[:3]
+        self.device = _current_device() if self.entry is not None else None
+        self.runtime = _runtime()
+        slots = []
+        self.resolved = True
+        for i, a in enumerate(args):
+            tensor = a.tensor if isinstance(a, Tma) else a if isinstance(a, torch.Tensor) else None
+            descriptor = self.entry.descriptors[i] if self.entry is not None else None
+            if tensor is None:
+                slots.append(_Slot(None, None, a, descriptor))
+                continue
+            index = index_of(tensor)
+            self.resolved = self.resolved and index is not None
+            slots.append(_Slot(index, a.block if isinstance(a, Tma) else None, None, descriptor))
+        self.slots = tuple(slots)
+
+    @staticmethod
+    def _argument(slot: _Slot, pool: list) -> Any:
+        if slot.index is None:
+            return slot.value
+        return pool[slot.index] if slot.block is None else Tma(pool[slot.index], slot.block)
+
+    def __call__(self, pool: list) -> None:
+        entry = self.entry
+        if (
+            entry is None
+            or VERIFY
+            or _hooks_installed()
+            or _runtime() != self.runtime
+            or _current_device() != self.device
+        ):
+            self.launcher(self.grid, *map(self._argument, self.slots, [pool] * len(self.slots)),
+                          caller_key=self.caller_key, **self.constexprs)  # fmt: skip
+            return
+        flat = []
+        for s in self.slots:
+            if s.index is None:
+                flat.append(s.value)
+            elif s.descriptor is None:
+                flat.append(pool[s.index])
+            else:
+                flat.extend(s.descriptor.expand(pool[s.index]))
+        compiled = entry.compiled
+        stream = _current_stream(self.device)
+        entry.launch(*self.grid3, stream, compiled.function, *entry.head, *flat, *entry.tail)
+
+
+__all__ = ["DIRECT", "VERIFY", "BoundLaunch", "KernelLauncher", "Tma"]

@@ -1,0 +1,173 @@
+"""Launch plans: a later call with the same signature makes the first call's allocations and launches on
+its own tensors, and nothing else; a call that did other work, or returned what a plan cannot name, is
+never replayed.
+
+The stand-in kernels of test_launch.py show what reaches the C launcher; the library's ops then run
+under the interpreter (on the GPU, the last test of test_launch.py replays them against Triton's choice).
+"""
+
+import pytest
+import torch
+import triton
+from test_launch import Descriptor, TritonStandIn, direct, encodes, triton_launch  # noqa: F401 (fixtures)
+
+from fused_swiglu import ops
+from fused_swiglu.kernels import launch
+from fused_swiglu.kernels.common import empty
+from fused_swiglu.kernels.launch import KernelLauncher, Tma
+from fused_swiglu.kernels.plans import planned
+from fused_swiglu.testing import make_problem
+
+#: The stand-in tests run with test_launch's direct launch and descriptor encoding.
+STAND_IN = pytest.mark.usefixtures("direct", "encodes")
+
+META = [{"swizzle": 3, "elem_size": 4, "elem_type": 7, "block_size": [16, 8], "fp4_padded": False}]
+
+
+class Body:
+    """A planned op body: allocates ``out`` [rows], launches the stand-in on (x, out, n, scale),
+    returns ``out`` (or what ``result`` makes of it), and counts its runs."""
+
+    def __init__(self, extra=None, result=lambda out: out):
+        self.kernel = TritonStandIn(META)
+        self.launcher = KernelLauncher(self.kernel, Descriptor)
+        self.extra, self.result, self.runs = extra, result, 0
+        self.call = planned(self.body)
+
+    def body(self, x, n, scale):
+        self.runs += 1
+        out = empty((x.shape[0],), x)
+        if self.extra is not None:
+            self.extra(x)
+        self.launcher((3,), Tma(x, (16, 8)), out, n, scale, BLOCK=32)
+        return self.result(out)
+
+    @property
+    def compiled(self):
+        [compiled] = self.kernel.compiled.values()
+        return compiled
+
+
+@STAND_IN
+def test_a_later_call_replays_the_allocations_and_launches_on_its_own_tensors():
+    body = Body()
+    first = body.call(torch.zeros(40, 24), 33, 0.5)
+    x = torch.ones(40, 24)
+    out = body.call(x, 33, 0.5)
+    assert body.runs == 1 and len(body.kernel.calls) == 1  # the body ran once, Triton launched once
+    assert out is not first and out.shape == (40,) and out.dtype == x.dtype
+    assert body.compiled.c_calls[-1] == triton_launch(body.compiled, (3, 1, 1), x, out, 33, 0.5, (32,))
+
+
+@STAND_IN
+def test_a_call_that_does_other_work_is_never_replayed():
+    body = Body(extra=lambda x: x.add(1))
+    for _ in range(3):
+        body.call(torch.zeros(40, 24), 33, 0.5)
+    assert body.runs == 3
+
+
+@STAND_IN
+def test_a_result_the_plan_cannot_name_leaves_the_signature_unplanned():
+    body = Body(result=lambda out: out[:2])
+    for _ in range(2):
+        assert body.call(torch.zeros(40, 24), 33, 0.5).shape == (2,)
+    assert body.runs == 2
+
+
+@STAND_IN
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x, n, s: (torch.zeros(48, 24), n, s),  # shape
+        lambda x, n, s: (torch.zeros(24, 40).t(), n, s),  # strides
+        lambda x, n, s: (torch.zeros(40, 24, dtype=torch.float16), n, s),  # dtype
+        lambda x, n, s: (torch.zeros(40 * 24 + 1)[1:].view(40, 24), n, s),  # alignment
+        lambda x, n, s: (x, 32, s),  # an integer
+        lambda x, n, s: (x, n, 0.25),  # a float
+    ],
+    ids=["shape", "strides", "dtype", "alignment", "int", "float"],
+)
+def test_each_signature_gets_its_own_plan(other):
+    body = Body()
+    args = (torch.zeros(40, 24), 33, 0.5)
+    body.call(*args)
+    body.call(*other(*args))
+    assert body.runs == 2
+    body.call(*other(*args))
+    assert body.runs == 2
+
+
+@STAND_IN
+def test_the_tf32_switch_is_part_of_the_signature():
+    body = Body()
+    body.call(torch.zeros(40, 24), 33, 0.5)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = not allowed
+    try:
+        body.call(torch.zeros(40, 24), 33, 0.5)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert body.runs == 2
+
+
+@STAND_IN
+def test_a_tensor_passed_twice_is_not_recorded_but_replays_by_position():
+    def twice(launcher):
+        def body(x, y):
+            launcher((3,), Tma(x, (16, 8)), y, 33, 0.5, BLOCK=32)
+            return y
+
+        return planned(body)
+
+    kernel = TritonStandIn(META)
+    alias = twice(KernelLauncher(kernel, Descriptor))
+    t = torch.zeros(40, 24)
+    alias(t, t)
+    assert alias.plans and not hasattr(next(iter(alias.plans.values())), "replay")
+    distinct = twice(KernelLauncher(kernel, Descriptor))
+    distinct(torch.zeros(40, 24), torch.zeros(40, 24))  # recorded
+    assert distinct(t, t) is t  # replayed: both places get the one tensor
+
+
+@STAND_IN
+def test_a_launch_hook_or_verify_sends_a_replay_through_triton(monkeypatch):
+    body = Body()
+    body.call(torch.zeros(40, 24), 33, 0.5)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    body.call(torch.zeros(40, 24), 33, 0.5)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(launch, "VERIFY", True)
+    body.call(torch.zeros(40, 24), 33, 0.5)
+    assert body.runs == 1 and len(body.kernel.calls) == 3
+
+
+@pytest.mark.parametrize("save", ["factors", "preact"])
+def test_replayed_ops_give_what_a_first_call_gives(device, save):
+    """The training ops on new inputs of a recorded signature (replayed; outputs NaN-poisoned at
+    allocation) against the same inputs in a first call (plans cleared), bit for bit."""
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
+    problems = [make_problem(37, 48, 80, dtype=dtype, device=device, seed=s) for s in range(2)]
+
+    def calls(p):
+        a, saved = ops.glu_forward(p.x, p.w_gate_up, 0.7, 1.3, save, None, None)
+        kept = saved.clone()
+        grad, recomputed = ops.mlp_gradient(p.dy, p.w_down, saved, 0.7, 1.3, save)
+        da = torch.randn_like(a)
+        factors = ops.glu_forward(p.x, p.w_gate_up, 0.7, 1.0, "factors", None, None)[1]
+        return [a, kept, grad, recomputed, ops.glu_gradient(da, factors), da]
+
+    planned_ops = (ops._glu_forward, ops._mlp_gradient_pass, ops._glu_gradient_pass)
+    for op in planned_ops:
+        op.plans.clear()
+    calls(problems[0])
+    assert all(hasattr(plan, "replay") for op in planned_ops for plan in op.plans.values())
+    torch.manual_seed(1)
+    replayed = calls(problems[1])
+    for op in planned_ops:
+        op.plans.clear()
+    torch.manual_seed(1)
+    first = calls(problems[1])
+    for r, f in zip(replayed, first, strict=True):
+        assert torch.isfinite(r).all()
+        assert torch.equal(r, f)
