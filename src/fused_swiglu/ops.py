@@ -11,7 +11,8 @@ saves). The ops: ``glu_forward`` (the fused gate/up GEMM and SwiGLU, for inferen
 ``mlp_gradient`` and ``glu_gradient`` (the packed pre-activation gradient from what the forward
 kept), and for ``save="recompute"``, which frees what it recomputes piece by piece, the whole
 backward (``mlp_backward_recomputed``, ``glu_backward_recomputed``). passes.py says what each save
-mode keeps.
+mode keeps. The first three run their body once per signature and replay it after
+(kernels/plans.py): a compiled graph calls them with the same few signatures every step.
 
 The gradient ops write the packed pre-activation gradient over the tensor the forward kept and
 return it in that tensor's memory, without declaring the alias: a declared mutation of a tensor
