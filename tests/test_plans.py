@@ -171,3 +171,18 @@ def test_replayed_ops_give_what_a_first_call_gives(device, save):
     for r, f in zip(replayed, first, strict=True):
         assert torch.isfinite(r).all()
         assert torch.equal(r, f)
+
+
+@STAND_IN
+def test_a_plan_keeps_no_tensor_alive():
+    """A plan names tensors by their place in a call: the recorded call's own tensors are freed."""
+    import weakref
+
+    body = Body()
+    x = torch.zeros(40, 24)
+    out = body.call(x, 33, 0.5)
+    refs = [weakref.ref(x), weakref.ref(out)]
+    body.kernel.calls.clear()  # the stand-in's own record of what it was called with
+    del x, out
+    assert all(r() is None for r in refs)
+    assert body.call(torch.zeros(40, 24), 33, 0.5).shape == (40,) and body.runs == 1
