@@ -32,7 +32,7 @@ import torch
 
 from .kernels.common import Saved, bind_cuda_context, empty, tma_ready
 from .kernels.glu_grad import glu_grad_
-from .kernels.plans import planned
+from .kernels.plans import planned, signature
 from .library import define
 from .passes import glu_grads, glu_grads_recomputed, glu_pass, mlp_gradient_, mlp_grads_recomputed, mm_as
 
@@ -73,12 +73,6 @@ def _on_tensor_device(fn):
     return call
 
 
-def _signature(*tensors: torch.Tensor) -> tuple:
-    """What the kernels' launches specialize on in these inputs (KernelLauncher's ``caller_key``): the
-    launches' other tensors are new, made from these shapes, and 16-byte aligned."""
-    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
-
-
 def _fake_grads(like: torch.Tensor, shapes, needs, dtypes) -> tuple[torch.Tensor, ...]:
     """A recompute backward op's gradients as its fake implementation makes them: empty where not
     needed (or, shape None, where there is no such input)."""
@@ -114,7 +108,7 @@ def _glu_forward(x2d, gate_up_weight, gate_multiplier, down_multiplier, save, u,
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(x2d), tma_ready(gate_up_weight))
     low_rank = _low_rank(u, v)
-    key = ("glu", save, *_signature(*args, *(low_rank or ())))
+    key = ("glu", save, signature((*args, *(low_rank or ()))))  # KernelLauncher's caller key
     a, saved = glu_pass(*args, None if save == INFERENCE else Saved.of(save), multipliers, key, low_rank)
     return a, _empty_if_none(saved, x2d)
 
@@ -145,7 +139,7 @@ def _mlp_gradient(dy, down_weight, saved, gate_multiplier, down_multiplier, save
 def _mlp_gradient_pass(dy, down_weight, saved, gate_multiplier, down_multiplier, save):
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(dy), tma_ready(down_weight))
-    key = ("mlp", save, *_signature(*args, saved))
+    key = ("mlp", save, signature((*args, saved)))
     a = mlp_gradient_(*args, saved, Saved.of(save), multipliers, key)
     return saved, _empty_if_none(a, saved)
 
@@ -174,7 +168,7 @@ def _glu_gradient(da, factors):
 @planned
 def _glu_gradient_pass(da, factors):
     da = da.contiguous()
-    glu_grad_(da, factors, caller_key=("glu", *_signature(da, factors)))
+    glu_grad_(da, factors, caller_key=("glu", signature((da, factors))))
     return factors
 
 

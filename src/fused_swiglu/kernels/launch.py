@@ -278,13 +278,19 @@ class KernelLauncher:
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None,
                          *host_args, *entry.tail)  # fmt: skip
             return
-        flat = []
-        for descriptor, a in zip(entry.descriptors, args, strict=True):
-            if descriptor is None:
-                flat.append(a)
-            else:
-                flat.extend(descriptor.expand(a.tensor))
-        entry.launch(*grid3, stream, compiled.function, *entry.head, *flat, *entry.tail)
+        _issue(entry, grid3, stream, args)
+
+
+def _issue(entry: _Entry, grid3: tuple, stream: int, args) -> None:
+    """``entry``'s C launch with the runtime ``args``, each descriptor parameter's tensor (bare or in
+    a ``Tma``) expanded as the C launcher takes it."""
+    flat = []
+    for descriptor, a in zip(entry.descriptors, args, strict=True):
+        if descriptor is None:
+            flat.append(a)
+        else:
+            flat.extend(descriptor.expand(a.tensor if type(a) is Tma else a))
+    entry.launch(*grid3, stream, entry.compiled.function, *entry.head, *flat, *entry.tail)
 
 
 class _Slot(NamedTuple):
@@ -293,7 +299,6 @@ class _Slot(NamedTuple):
     index: int | None  # the tensor's place in the pool; None: ``value`` is the argument
     block: tuple[int, ...] | None  # a ``Tma`` argument's tile
     value: Any
-    descriptor: _Descriptor | None  # its expansion for the C launcher, on a direct launch
 
 
 class BoundLaunch:
@@ -314,15 +319,14 @@ class BoundLaunch:
         self.runtime = _runtime()
         slots = []
         self.resolved = True
-        for i, a in enumerate(args):
+        for a in args:
             tensor = a.tensor if isinstance(a, Tma) else a if isinstance(a, torch.Tensor) else None
-            descriptor = self.entry.descriptors[i] if self.entry is not None else None
             if tensor is None:
-                slots.append(_Slot(None, None, a, descriptor))
+                slots.append(_Slot(None, None, a))
                 continue
             index = index_of(tensor)
             self.resolved = self.resolved and index is not None
-            slots.append(_Slot(index, a.block if isinstance(a, Tma) else None, None, descriptor))
+            slots.append(_Slot(index, a.block if isinstance(a, Tma) else None, None))
         self.slots = tuple(slots)
 
     @staticmethod
@@ -343,17 +347,8 @@ class BoundLaunch:
             self.launcher(self.grid, *map(self._argument, self.slots, [pool] * len(self.slots)),
                           caller_key=self.caller_key, **self.constexprs)  # fmt: skip
             return
-        flat = []
-        for s in self.slots:
-            if s.index is None:
-                flat.append(s.value)
-            elif s.descriptor is None:
-                flat.append(pool[s.index])
-            else:
-                flat.extend(s.descriptor.expand(pool[s.index]))
-        compiled = entry.compiled
-        stream = _current_stream(self.device)
-        entry.launch(*self.grid3, stream, compiled.function, *entry.head, *flat, *entry.tail)
+        values = [s.value if s.index is None else pool[s.index] for s in self.slots]
+        _issue(entry, self.grid3, _current_stream(self.device), values)
 
 
 __all__ = ["DIRECT", "VERIFY", "BoundLaunch", "KernelLauncher", "Tma"]
