@@ -8,7 +8,11 @@ the kernels are shorter than their launches), in rotating rounds, medians printe
 op's outputs; a bare op defined as the library defines its ops (``torch.library.Library``, one
 Python implementation) whose body only allocates those two outputs, which is the dispatcher's path
 into Python plus the allocations; the forward and gradient ops through the dispatcher, and their
-bodies called directly (the replayed launch plan, kernels/plans.py); a plan's signature alone.
+bodies called directly (the replayed launch plan, kernels/plans.py); inside the forward's replay, the
+plan alone (no device check), each of its launches as bound, the checks before a direct launch, and
+the compiled kernel's C launcher called with its arguments ready; a plan's signature alone. And the
+weight-gradient GEMM of the backward three ways: fp32 written by cuBLAS (``mm`` with ``out_dtype``,
+as the Functions issue it under autocast), bf16, and bf16 then copied into fp32.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 import torch
 
+import fused_swiglu.kernels.launch as launch
 import fused_swiglu.ops as ops
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.kernels.plans import signature
@@ -53,6 +58,33 @@ def cases(rows: int, hidden: int, inter: int) -> dict:
     forward_args = (x, gate_up, 1.0, 1.0, "factors", None, None)
     gradient_args = (dy, down, saved, 1.0, 1.0, "factors")
     gradient_body = ops._mlp_gradient_pass  # the planned body, past the once-only overwrite check
+    planned_forward = ops._glu_forward.__wrapped__  # past the device check
+    (plan,) = planned_forward.plans.values()
+    tensors = [x, gate_up]
+    pool = list(tensors)  # the call's tensors, then each allocation, as a replay makes it
+    for step in plan.steps:
+        if not isinstance(step, launch.BoundLaunch):
+            step(pool)
+    bound = [step for step in plan.steps if isinstance(step, launch.BoundLaunch)]
+    first = bound[0]
+    values = [s.value if s.index is None else pool[s.index] for s in first.slots]
+    flat = []
+    for descriptor, value in zip(first.entry.descriptors, values, strict=True):
+        flat.extend([value] if descriptor is None else descriptor.expand(value))
+    entry, stream = first.entry, launch._current_stream(0)
+
+    def c_launch():
+        entry.launch(*first.grid3, stream, entry.compiled.function, *entry.head, *flat, *entry.tail)
+
+    def launch_checks():
+        launch._hooks_installed(), launch._runtime(), launch._current_device(), launch._current_stream(0)
+
+    dw32 = torch.empty(2 * inter, hidden, device="cuda", dtype=torch.float32)
+    dw16 = torch.empty(2 * inter, hidden, **bf16)
+
+    def dw_bf16_then_fp32():
+        torch.mm(saved.t(), x, out=dw16)
+        dw32.copy_(dw16)
 
     return {
         "aten::mm (out=)": lambda: torch.mm(a, down.t(), out=a_out),
@@ -61,6 +93,13 @@ def cases(rows: int, hidden: int, inter: int) -> dict:
         "glu_forward op": lambda: ops.glu_forward(*forward_args),
         "glu_forward body (plan replay)": lambda: ops._glu_forward(*forward_args),
         "mlp_gradient body (plan replay)": lambda: gradient_body(*gradient_args),
+        "forward plan alone": lambda: planned_forward(*forward_args),
+        f"forward launches as bound (x{len(bound)})": lambda: [b(pool) for b in bound],
+        "forward C launch alone": c_launch,
+        "direct-launch checks": launch_checks,
+        "dW GEMM, fp32 out_dtype": lambda: torch.mm(saved.t(), x, out_dtype=torch.float32, out=dw32),
+        "dW GEMM, bf16": lambda: torch.mm(saved.t(), x, out=dw16),
+        "dW GEMM, bf16 then into fp32": dw_bf16_then_fp32,
         "plan signature (forward)": lambda: signature(forward_args),
     }
 
