@@ -184,38 +184,6 @@ def test_unknown_argument_types_are_refused(direct):
         launcher((1,), Tma(torch.zeros(40, 24), (16, 8)), "pointer?", 33, 0.5, BLOCK=32, num_warps=4)
 
 
-def test_a_caller_key_skips_the_argument_key_on_later_calls(direct, monkeypatch):
-    """With a caller key, later calls with that key and the same constexprs run the compiled kernel
-    without building the per-argument key; other constexprs are another entry."""
-    kernel = StandIn(triton_like)
-    launcher = KernelLauncher(kernel, Descriptor)
-    ptr = torch.zeros(8)
-    launcher((3,), Tma(torch.zeros(40, 24), (16, 8)), ptr, 33, 0.5, caller_key="k", BLOCK=32, num_warps=4)
-    built = []
-    real = launch._key_of
-    monkeypatch.setattr(launch, "_key_of", lambda a: built.append(a) or real(a))
-    other = torch.ones(40, 24)
-    launcher((3,), Tma(other, (16, 8)), ptr, 33, 0.5, caller_key="k", BLOCK=32, num_warps=4)
-    assert built == [] and len(kernel.calls) == 1
-    [compiled] = kernel.compiled.values()
-    [launched] = compiled.runs
-    assert launched[9].base is other and launched[10:] == (ptr, 33, 0.5, 32, 4)
-    launcher((3,), Tma(other, (16, 8)), ptr, 33, 0.5, caller_key="k", BLOCK=64, num_warps=4)
-    assert len(kernel.calls) == 2
-
-
-def test_verify_catches_a_caller_key_coarser_than_triton(direct, monkeypatch):
-    """A caller key that misses what the arguments' key sees (here n == 1) is caught under VERIFY."""
-    kernel = StandIn(triton_like)
-    launcher = KernelLauncher(kernel, Descriptor)
-    t = torch.zeros(40, 24)
-    launcher((3,), Tma(t, (16, 8)), None, 33, 0.5, caller_key="k", BLOCK=32, num_warps=4)
-    monkeypatch.setattr(launch, "VERIFY", True)
-    launcher((3,), Tma(t, (16, 8)), None, 17, 0.5, caller_key="k", BLOCK=32, num_warps=4)
-    with pytest.raises(RuntimeError, match="the caller key misses something Triton specializes on"):
-        launcher((3,), Tma(t, (16, 8)), None, 1, 0.5, caller_key="k", BLOCK=32, num_warps=4)
-
-
 class PythonLauncher(nvidia_driver.CudaLauncher):
     """Triton's Python launcher, counting its calls."""
 

@@ -28,8 +28,8 @@ class Body:
     """A planned op body: allocates ``out`` [rows], launches the stand-in on (x, out, n, scale),
     returns ``out`` (or what ``result`` makes of it), and counts its runs."""
 
-    def __init__(self, extra=None, result=lambda out: out):
-        self.kernel = TritonStandIn(META)
+    def __init__(self, extra=None, result=lambda out: out, meta=META):
+        self.kernel = TritonStandIn(meta)
         self.launcher = KernelLauncher(self.kernel, Descriptor)
         self.extra, self.result, self.runs = extra, result, 0
         self.call = planned(self.body)
@@ -49,14 +49,18 @@ class Body:
 
 
 @STAND_IN
-def test_a_later_call_replays_the_allocations_and_launches_on_its_own_tensors():
-    body = Body()
+@pytest.mark.parametrize("meta", [META, None], ids=["tma", "no-tma-lowering"])
+def test_a_later_call_replays_the_allocations_and_launches_on_its_own_tensors(meta):
+    body = Body(meta=meta)
     first = body.call(torch.zeros(40, 24), 33, 0.5)
     x = torch.ones(40, 24)
     out = body.call(x, 33, 0.5)
     assert body.runs == 1 and len(body.kernel.calls) == 1  # the body ran once, Triton launched once
     assert out is not first and out.shape == (40,) and out.dtype == x.dtype
     assert body.compiled.c_calls[-1] == triton_launch(body.compiled, (3, 1, 1), x, out, 33, 0.5, (32,))
+    y = torch.full((40, 24), 2.0)
+    again = body.call(y, 33, 0.5)  # the argument list made once, filled anew on each call
+    assert body.compiled.c_calls[-1] == triton_launch(body.compiled, (3, 1, 1), y, again, 33, 0.5, (32,))
 
 
 @STAND_IN
@@ -174,11 +178,12 @@ def test_replayed_ops_give_what_a_first_call_gives(device, save):
 
 
 @STAND_IN
-def test_a_plan_keeps_no_tensor_alive():
+@pytest.mark.parametrize("meta", [META, None], ids=["tma", "no-tma-lowering"])
+def test_a_plan_keeps_no_tensor_alive(meta):
     """A plan names tensors by their place in a call: the recorded call's own tensors are freed."""
     import weakref
 
-    body = Body()
+    body = Body(meta=meta)
     x = torch.zeros(40, 24)
     out = body.call(x, 33, 0.5)
     refs = [weakref.ref(x), weakref.ref(out)]

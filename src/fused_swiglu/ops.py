@@ -32,7 +32,7 @@ import torch
 
 from .kernels.common import Saved, bind_cuda_context, empty, tma_ready
 from .kernels.glu_grad import glu_grad_
-from .kernels.plans import planned, signature
+from .kernels.plans import planned
 from .library import define
 from .passes import glu_grads, glu_grads_recomputed, glu_pass, mlp_gradient_, mlp_grads_recomputed, mm_as
 
@@ -107,9 +107,7 @@ def _glu_forward(x2d, gate_up_weight, gate_multiplier, down_multiplier, save, u,
     ``save`` keeps (empty for ``"recompute"``); ``save="inference"`` keeps nothing either."""
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(x2d), tma_ready(gate_up_weight))
-    low_rank = _low_rank(u, v)
-    key = ("glu", save, signature((*args, *(low_rank or ()))))  # KernelLauncher's caller key
-    a, saved = glu_pass(*args, None if save == INFERENCE else Saved.of(save), multipliers, key, low_rank)
+    a, saved = glu_pass(*args, None if save == INFERENCE else Saved.of(save), multipliers, _low_rank(u, v))
     return a, _empty_if_none(saved, x2d)
 
 
@@ -139,8 +137,7 @@ def _mlp_gradient(dy, down_weight, saved, gate_multiplier, down_multiplier, save
 def _mlp_gradient_pass(dy, down_weight, saved, gate_multiplier, down_multiplier, save):
     multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
     args = (tma_ready(dy), tma_ready(down_weight))
-    key = ("mlp", save, signature((*args, saved)))
-    a = mlp_gradient_(*args, saved, Saved.of(save), multipliers, key)
+    a = mlp_gradient_(*args, saved, Saved.of(save), multipliers)
     return saved, _empty_if_none(a, saved)
 
 
@@ -168,7 +165,7 @@ def _glu_gradient(da, factors):
 @planned
 def _glu_gradient_pass(da, factors):
     da = da.contiguous()
-    glu_grad_(da, factors, caller_key=("glu", signature((da, factors))))
+    glu_grad_(da, factors)
     return factors
 
 

@@ -70,54 +70,52 @@ def _recompute_pieces(inter: int) -> tuple[int, int]:
     return pieces, inter // pieces
 
 
-def _forward(
-    x, w_gate_up, *, save: Saved, write_a: bool = True, low_rank=None, caller_key=None, **multipliers
-):
+def _forward(x, w_gate_up, *, save: Saved, write_a: bool = True, low_rank=None, **multipliers):
     """The fused forward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus an in-place pass (same contract)."""
     on_gpu = not interpreting()
     if low_rank is None and forward_is_warp_specialized(x.shape[0], x.dtype, on_gpu, save, write_a):
-        return glu_forward_ws(x, w_gate_up, save=save, caller_key=caller_key, **multipliers)
+        return glu_forward_ws(x, w_gate_up, save=save, **multipliers)
     split = gemms_on_cublas(x.dtype, on_gpu) or not low_rank_in_kernel(low_rank)
     launch = glu_forward_split if split else glu_forward
-    options = {"save": save, "write_a": write_a, "low_rank": low_rank, "caller_key": caller_key}
+    options = {"save": save, "write_a": write_a, "low_rank": low_rank}
     return launch(x, w_gate_up, **options, **multipliers)
 
 
-def _backward_(dy, w_down, saved, *, save, caller_key=None, **multipliers):
+def _backward_(dy, w_down, saved, *, save, **multipliers):
     """The fused backward kernel (warp-specialized where it is faster), or for fp32 on a GPU cuBLAS
     plus a gradient pass (same contract: the gradient over ``saved``)."""
     on_gpu = not interpreting()
     if backward_is_warp_specialized(dy.shape[0], dy.dtype, on_gpu, save):
-        return glu_backward_ws_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
+        return glu_backward_ws_(dy, w_down, saved, save=save, **multipliers)
     launch = glu_backward_split_ if gemms_on_cublas(dy.dtype, on_gpu) else glu_backward_
-    return launch(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
+    return launch(dy, w_down, saved, save=save, **multipliers)
 
 
-def _glu_no_grad(x, w_gate_up, multipliers: dict, caller_key=None, low_rank=None):
+def _glu_no_grad(x, w_gate_up, multipliers: dict, low_rank=None):
     """``down_multiplier * a`` [M, I]: the fused kernel, or at decode sizes cuBLAS plus an activation pass."""
     if inference_uses_cublas(x.shape[0]):
         h = torch.mm(x, w_gate_up.t())  # [M, 2I]: small at decode sizes
         if low_rank is not None:
             h.addmm_(low_rank[0], low_rank[1].t())
-        return glu_activation(h, caller_key=caller_key, **multipliers)
-    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, low_rank=low_rank, caller_key=caller_key, **multipliers)
+        return glu_activation(h, **multipliers)
+    a, _ = _forward(x, w_gate_up, save=Saved.NOTHING, low_rank=low_rank, **multipliers)
     return a
 
 
-def glu_pass(x, w_gate_up, save: Saved | None, multipliers: dict, caller_key=None, low_rank=None):
+def glu_pass(x, w_gate_up, save: Saved | None, multipliers: dict, low_rank=None):
     """``a`` = down_multiplier * silu(gate_multiplier * g) * u [M, I] and what ``save`` keeps for the
     backward (``None`` where it keeps nothing); ``save=None``: inference, which at decode sizes runs
     cuBLAS plus an activation pass."""
     if save is None:
-        return _glu_no_grad(x, w_gate_up, multipliers, caller_key, low_rank), None
-    return _forward(x, w_gate_up, save=save, low_rank=low_rank, caller_key=caller_key, **multipliers)
+        return _glu_no_grad(x, w_gate_up, multipliers, low_rank), None
+    return _forward(x, w_gate_up, save=save, low_rank=low_rank, **multipliers)
 
 
-def mlp_gradient_(dy, w_down, saved, save: Saved, multipliers: dict, caller_key=None):
+def mlp_gradient_(dy, w_down, saved, save: Saved, multipliers: dict):
     """Writes the MLP's packed pre-activation gradient [dU | dG] over ``saved``; returns ``a`` (with
     the down multiplier) recomputed for saved pre-activations, ``None`` for saved factors."""
-    return _backward_(dy, w_down, saved, save=save, caller_key=caller_key, **multipliers)
+    return _backward_(dy, w_down, saved, save=save, **multipliers)
 
 
 def glu_grads(grad, x, w_gate_up, needs, dw_dtype, low_rank, out=None):

@@ -62,7 +62,6 @@ def glu_activation(
     down_multiplier: float,
     factors_in_place: bool = False,
     write_a: bool = True,
-    caller_key=None,
 ) -> torch.Tensor | None:
     """``a`` [M, I] from the packed pre-activation ``h`` [M, 2I] (unit column stride).
 
@@ -93,6 +92,5 @@ def glu_activation(
         BN=block_n,
         CHUNK_=CHUNK,
         num_warps=4,
-        caller_key=caller_key,
     )
     return a

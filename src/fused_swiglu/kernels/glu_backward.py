@@ -343,7 +343,6 @@ def glu_backward_(
     save: Saved,
     config: TileConfig | None = None,
     grad: torch.Tensor | None = None,
-    caller_key=None,
 ) -> torch.Tensor | None:
     """Write the packed pre-activation gradient [dU | dG] over ``saved`` [M, 2I], in place, or into
     ``grad`` (the same shape) where given, leaving ``saved`` as it was.
@@ -379,7 +378,6 @@ def glu_backward_(
         DOT_PRECISION=dot_precision(dy.dtype),
         ROWS=EXPERT_ROWS,
         **cfg.kernel_meta(),
-        caller_key=caller_key,
     )
     return a
 

@@ -308,7 +308,6 @@ def glu_backward_ws_(
     down_multiplier: float,
     config: WSConfig | None = None,
     grad: torch.Tensor | None = None,
-    caller_key=None,
 ) -> torch.Tensor | None:
     """Write [dU | dG] over the saved packed [M, 2I] tensor, in place, or into ``grad`` (the same
     shape and strides) where given, leaving the saved tensor as it was (bf16/fp16, sm_90).
@@ -342,7 +341,6 @@ def glu_backward_ws_(
             hidden,
             float(down_multiplier),
             NSAVED=c.saved_buffers,
-            caller_key=caller_key,
             **c.meta(),
         )
         return None
@@ -359,6 +357,5 @@ def glu_backward_ws_(
         NSAVED=c.saved_buffers,
         NA=max(c.a_buffers, 1),
         **c.meta(),
-        caller_key=caller_key,
     )
     return a

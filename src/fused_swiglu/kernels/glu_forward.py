@@ -279,7 +279,6 @@ def glu_forward(
     write_a: bool = True,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TileConfig | None = None,
-    caller_key=None,
     experts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable, as
@@ -337,6 +336,5 @@ def glu_forward(
         DOT_PRECISION=precision,
         ROWS=EXPERT_ROWS,
         **cfg.kernel_meta(),
-        caller_key=caller_key,
     )
     return a, saved

@@ -160,7 +160,6 @@ def glu_forward_ws(
     down_multiplier: float,
     save: Saved,
     config: WSForwardConfig = CONFIG,
-    caller_key=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``a`` [M, I] (scaled by ``down_multiplier``) and the saved packed [M, 2I] tensor (``None`` in
     inference), like ``glu_forward`` with ``write_a=True`` (bf16/fp16, sm_90).
@@ -187,6 +186,5 @@ def glu_forward_ws(
         NBUF=c.buffers,
         SAVE=int(save),
         **c.meta(),
-        caller_key=caller_key,
     )
     return a, saved

@@ -88,7 +88,6 @@ def glu_grad_(
     gate_multiplier: float = 1.0,
     down_multiplier: float = 1.0,
     grad: torch.Tensor | None = None,
-    caller_key=None,
 ) -> torch.Tensor:
     """[dU | dG] for ``down_multiplier * da`` from ``saved`` [M, 2I] (packed, from the forward), written
     over ``saved``, or into ``grad`` (the same shape and strides) where given. Returns the gradient.
@@ -121,6 +120,5 @@ def glu_grad_(
         BN=block_n,
         CHUNK_=CHUNK,
         num_warps=4,
-        caller_key=caller_key,
     )
     return grad

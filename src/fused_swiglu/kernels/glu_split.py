@@ -24,7 +24,6 @@ def glu_forward_split(
     save: Saved,
     write_a: bool = True,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
-    caller_key=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``glu_forward`` with cuBLAS's x @ W_packed^T (+ u @ v^T): returns ``(a or None, saved or None)``."""
     if not write_a and save == Saved.NOTHING:
@@ -43,7 +42,6 @@ def glu_forward_split(
             down_multiplier=down_multiplier,
             factors_in_place=factors,
             write_a=write_a,
-            caller_key=caller_key,
         )
     return a, (None if save == Saved.NOTHING else h)
 
@@ -57,7 +55,6 @@ def glu_backward_split_(
     down_multiplier: float,
     save: Saved,
     grad: torch.Tensor | None = None,
-    caller_key=None,
 ) -> torch.Tensor | None:
     """``glu_backward_`` with cuBLAS's dY @ W_down: [dU | dG] over ``saved`` or into ``grad``;
     returns the recomputed ``down_multiplier * a`` for ``Saved.PREACT`` (in dA's memory), else ``None``."""
@@ -69,6 +66,5 @@ def glu_backward_split_(
         gate_multiplier=gate_multiplier,
         down_multiplier=down_multiplier,
         grad=grad,
-        caller_key=caller_key,
     )
     return da if save == Saved.PREACT else None

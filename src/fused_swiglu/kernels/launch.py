@@ -23,7 +23,7 @@ installed (a profiler), every call goes through ``kernel[grid]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -192,44 +192,29 @@ class KernelLauncher:
         self._kernel = kernel
         self._make_descriptor = make_descriptor
         self._compiled: dict[tuple, _Entry] = {}  # launch key -> entry
-        # (device, runtime switches, caller key, constexprs) -> the same entries
-        self._by_caller_key: dict[tuple, _Entry] = {}
 
     def _through_triton(self, grid: tuple[int, ...], args: tuple, constexprs: dict):
         real = [self._make_descriptor(a.tensor, list(a.block)) if isinstance(a, Tma) else a for a in args]
         return self._kernel[grid](*real, **constexprs)
 
-    def __call__(
-        self, grid: tuple[int, ...], *args: Any, caller_key: Hashable = None, **constexprs: Any
-    ) -> None:
+    def __call__(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
         """``kernel[grid](*args, **constexprs)``, with tensors the kernel reads through TMA given as
-        ``Tma(tensor, block)``. Runtime arguments are positional, constexprs and options by name.
-
-        ``caller_key``, where given, stands for what Triton specializes on in the runtime arguments
-        (the caller's input shapes, strides, dtypes and alignments, from which it makes the rest):
-        a later call with the same key and constexprs skips the key built argument by argument, the
-        larger part of this launch's host time. ``VERIFY`` checks it against that key."""
+        ``Tma(tensor, block)``. Runtime arguments are positional, constexprs and options by name."""
         recording = getattr(RECORDING, "active", None)
         if recording is None:
-            self._launch(grid, args, caller_key, constexprs)
+            self._launch(grid, args, constexprs)
             return
         with recording.step():
-            entry = self._launch(grid, args, caller_key, constexprs)
-        recording.launched(BoundLaunch(self, entry, grid, args, caller_key, constexprs, recording.index_of))
+            entry = self._launch(grid, args, constexprs)
+        recording.launched(BoundLaunch(self, entry, grid, args, constexprs, recording.index_of))
 
-    def _launch(self, grid, args: tuple, caller_key: Hashable, constexprs: dict) -> _Entry | None:
+    def _launch(self, grid, args: tuple, constexprs: dict) -> _Entry | None:
         """Launches; returns the entry launched directly from now on (None: through Triton only)."""
         if not DIRECT or _hooks_installed():
             self._through_triton(grid, args, constexprs)
             return None
         device = _current_device()
-        runtime = _runtime()
-        fast_key = None if caller_key is None else (device, runtime, caller_key, tuple(constexprs.items()))
-        entry = None if fast_key is None or VERIFY else self._by_caller_key.get(fast_key)
-        if entry is not None:
-            self._run(entry, grid, device, args)
-            return entry
-        key = (device, runtime, tuple(map(_key_of, args)), tuple(constexprs.items()))
+        key = (device, _runtime(), tuple(map(_key_of, args)), tuple(constexprs.items()))
         entry = self._compiled.get(key)
         if entry is None or VERIFY:
             compiled = self._through_triton(grid, args, constexprs)
@@ -247,21 +232,9 @@ class KernelLauncher:
                     f"{self._kernel.__name__}: Triton compiled this call differently from an earlier one "
                     "with the same launch key; the key misses something Triton specializes on"
                 )
-            self._remember(fast_key, entry)
             return entry
-        self._remember(fast_key, entry)
         self._run(entry, grid, device, args)
         return entry
-
-    def _remember(self, fast_key, entry) -> None:
-        if fast_key is None:
-            return
-        known = self._by_caller_key.setdefault(fast_key, entry)
-        if known is not entry:
-            raise RuntimeError(
-                f"{self._kernel.__name__}: two calls with the same caller key launched different "
-                "kernels; the caller key misses something Triton specializes on"
-            )
 
     def _run(self, entry: _Entry, grid: tuple[int, ...], device: int, args: tuple) -> None:
         grid3 = (*grid, 1, 1)[:3]
@@ -307,14 +280,14 @@ class BoundLaunch:
     Its tensors are named by their place in the plan's pool (``index_of``); ``resolved`` is False
     where one has no place there. A later call launches the compiled kernel directly, with the same
     grid and constants, while what Triton would choose cannot have changed (no hook, no
-    verification, the same switches and device); otherwise through the launcher."""
+    verification, the same switches and device); otherwise through the launcher. The C launcher's
+    argument list is made once, with a gap wherever a tensor goes: a plan's tensors have the shapes
+    and strides of its signature, so only their addresses (and the descriptors encoded from them)
+    change from call to call."""
 
-    def __init__(
-        self, launcher: KernelLauncher, entry: _Entry | None, grid, args, caller_key, constexprs, index_of
-    ):
-        self.launcher, self.grid, self.caller_key, self.constexprs = launcher, grid, caller_key, constexprs
+    def __init__(self, launcher: KernelLauncher, entry: _Entry | None, grid, args, constexprs, index_of):
+        self.launcher, self.grid, self.constexprs = launcher, grid, constexprs
         self.entry = entry if entry is not None and entry.launch is not None else None
-        self.grid3 = (*grid, 1, 1)[:3]
         self.device = _current_device() if self.entry is not None else None
         self.runtime = _runtime()
         slots = []
@@ -328,6 +301,33 @@ class BoundLaunch:
             self.resolved = self.resolved and index is not None
             slots.append(_Slot(index, a.block if isinstance(a, Tma) else None, None))
         self.slots = tuple(slots)
+        if self.entry is not None and self.resolved:
+            self._prepare(self.entry, (*grid, 1, 1)[:3], args)
+
+    def _prepare(self, entry: _Entry, grid3: tuple, args: tuple) -> None:
+        """The C launcher's arguments, as ``_issue`` lays them out, without this call's tensors:
+        ``places`` says where each tensor goes, ``encoded`` where its descriptor's expansion goes."""
+        arguments = [*grid3, None, entry.compiled.function, *entry.head]  # [3]: the stream
+        places, encoded = [], []
+        for slot, descriptor, a in zip(self.slots, entry.descriptors, args, strict=True):
+            start = len(arguments)
+            if slot.index is None:
+                arguments.append(a)
+                continue
+            if descriptor is None:
+                arguments.append(None)
+                places.append((start, slot.index))
+                continue
+            tensor = a.tensor if type(a) is Tma else a
+            expansion = descriptor.expand(tensor)
+            if descriptor.meta is None:  # the tensor itself and its shape and strides
+                places.extend((start + i, slot.index) for i, e in enumerate(expansion) if e is tensor)
+                arguments.extend(None if e is tensor else e for e in expansion)
+            else:  # a descriptor encoded from the address, then the shape and strides
+                encoded.append((start, start + len(expansion), slot.index, descriptor))
+                arguments.extend(expansion)
+        arguments.extend(entry.tail)
+        self.arguments, self.places, self.encoded = arguments, tuple(places), tuple(encoded)
 
     @staticmethod
     def _argument(slot: _Slot, pool: list) -> Any:
@@ -345,10 +345,15 @@ class BoundLaunch:
             or _current_device() != self.device
         ):
             self.launcher(self.grid, *map(self._argument, self.slots, [pool] * len(self.slots)),
-                          caller_key=self.caller_key, **self.constexprs)  # fmt: skip
+                          **self.constexprs)  # fmt: skip
             return
-        values = [s.value if s.index is None else pool[s.index] for s in self.slots]
-        _issue(entry, self.grid3, _current_stream(self.device), values)
+        arguments = self.arguments.copy()
+        arguments[3] = _current_stream(self.device)
+        for place, index in self.places:
+            arguments[place] = pool[index]
+        for start, stop, index, descriptor in self.encoded:
+            arguments[start:stop] = descriptor.expand(pool[index])
+        entry.launch(*arguments)
 
 
 __all__ = ["DIRECT", "VERIFY", "BoundLaunch", "KernelLauncher", "Tma"]
