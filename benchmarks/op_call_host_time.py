@@ -67,14 +67,15 @@ def cases(rows: int, hidden: int, inter: int) -> dict:
             step(pool)
     bound = [step for step in plan.steps if isinstance(step, launch.BoundLaunch)]
     first = bound[0]
-    values = [s.value if s.index is None else pool[s.index] for s in first.slots]
-    flat = []
-    for descriptor, value in zip(first.entry.descriptors, values, strict=True):
-        flat.extend([value] if descriptor is None else descriptor.expand(value))
-    entry, stream = first.entry, launch._current_stream(0)
+    ready = first.arguments.copy()  # the C launcher's arguments, as the bound launch fills them
+    ready[3] = launch._current_stream(0)
+    for place, index in first.places:
+        ready[place] = pool[index]
+    for start, stop, index, descriptor in first.encoded:
+        ready[start:stop] = descriptor.expand(pool[index])
 
     def c_launch():
-        entry.launch(*first.grid3, stream, entry.compiled.function, *entry.head, *flat, *entry.tail)
+        first.entry.launch(*ready)
 
     def launch_checks():
         launch._hooks_installed(), launch._runtime(), launch._current_device(), launch._current_stream(0)
