@@ -35,6 +35,8 @@ def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str
 
 
 def _check_multiplier(name: str, value) -> float:
+    if type(value) is float and math.isfinite(value):  # the common case, before the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if not math.isfinite(value):
@@ -50,6 +52,9 @@ def _as_packed(gate_up_weight) -> torch.Tensor:
     return gate_up_weight
 
 
+_TENSOR_NAMES = ("x", "gate_up_weight", "down_weight")
+
+
 def _validate(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor,
@@ -57,24 +62,24 @@ def _validate(
     compute_dtype: torch.dtype | None = None,
 ) -> None:
     """Raises for bad input; ``compute_dtype``: the autocast dtype the weights are cast to later."""
-    named = {"x": x, "gate_up_weight": gate_up_weight}
-    if down_weight is not None:
-        named["down_weight"] = down_weight
-    for name, t in named.items():
+    tensors = (x, gate_up_weight) if down_weight is None else (x, gate_up_weight, down_weight)
+    names = _TENSOR_NAMES[: len(tensors)]
+    for name, t in zip(names, tensors, strict=True):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
             raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-    if len({dtype_under_autocast(t, compute_dtype) for t in named.values()}) > 1:
-        got = ", ".join(f"{n} {t.dtype}" for n, t in named.items())
+    dtype, device = dtype_under_autocast(x, compute_dtype), x.device
+    if any(dtype_under_autocast(t, compute_dtype) != dtype for t in tensors[1:]):
+        got = ", ".join(f"{n} {t.dtype}" for n, t in zip(names, tensors, strict=True))
         raise TypeError(f"x and the weights must share a dtype outside torch.autocast, got {got}")
-    if len({t.device for t in named.values()}) > 1:
-        got = ", ".join(f"{n} on {t.device}" for n, t in named.items())
+    if any(t.device != device for t in tensors[1:]):
+        got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
         raise ValueError(f"x and the weights must be on one device, got {got}")
     if gate_up_weight.dim() != 2 or x.dim() < 1 or (down_weight is not None and down_weight.dim() != 2):
-        got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in named.items())
+        got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
         raise ValueError(
             "expected x [..., hidden], packed gate/up weight [2 * intermediate, hidden] and down weight "
             f"[hidden, intermediate]; got shapes {got}"
@@ -114,10 +119,9 @@ def _autocast(*tensors):
 
 
 def _needs_autograd(*args) -> bool:
-    """Whether a call records a backward: grad mode on and some tensor argument (or one of a
-    ``(gate, up)`` pair) requiring grad."""
-    tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    """Whether a call records a backward: grad mode on and some argument (a tensor, or None) requiring
+    grad. Weight pairs are packed before: the packed weight requires grad where either half does."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)
 
 
 def swiglu_mlp(
@@ -159,7 +163,7 @@ def swiglu_mlp(
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     down_multiplier = _check_multiplier("down_multiplier", down_multiplier)
     hidden = gate_up_weight.shape[1]
-    x2d = x.reshape(-1, hidden)
+    x2d = x if x.dim() == 2 else x.reshape(-1, hidden)
 
     scalars = (gate_multiplier, down_multiplier)
     fused = fused_path_available(x2d, gate_up_weight)
@@ -181,7 +185,7 @@ def swiglu_mlp(
                 gate_multiplier=gate_multiplier,
                 down_multiplier=down_multiplier,
             )
-    return y.reshape(*x.shape[:-1], hidden)
+    return y if x.dim() == 2 else y.reshape(x.shape)  # y's last dim is hidden, as x's
 
 
 def swiglu_linear(

@@ -161,21 +161,22 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor,
     its GEMM and the down projection run as the module it is, so that nothing it adds is bypassed."""
     gate_multiplier = multiplier_of(mlp, "gate_multiplier")
     down_multiplier = multiplier_of(mlp, "down_multiplier")
-    gate, up = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj"))
+    submodules = mlp._modules  # read directly: a missing name through getattr costs a raised error
+    gate, up, down = submodules.get("gate_proj"), submodules.get("up_proj"), submodules["down_proj"]
     low_rank = low_rank_term(x, gate, up, gate_up_weight.shape[0] // 2)
-    if low_rank is None and type(mlp.down_proj) is nn.Linear:
-        weights = (gate_up_weight, mlp.down_proj.weight)
+    if low_rank is None and type(down) is nn.Linear:
+        weights = (gate_up_weight, down.weight)
         scalars = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier, "save": save}
         if is_tensor_parallel(gate_up_weight):  # each rank its shards, the parts summed (tensor_parallel.py)
             return tensor_parallel_mlp(functools.partial(swiglu_mlp, **scalars), x, *weights)
         return swiglu_mlp(x, *weights, **scalars)
     if is_tensor_parallel(gate_up_weight):
         raise TypeError("fused_swiglu: a tensor-parallel SwiGLUMLP runs without adapters on its projections")
-    if low_rank is None and is_lora_layer(mlp.down_proj) and not torch.compiler.is_compiling():
+    if low_rank is None and is_lora_layer(down) and not torch.compiler.is_compiling():
         _warn_adapters_after_swap(mlp)
     linear_save = "recompute" if save == "recompute" else "factors"
     a = swiglu_linear(x, gate_up_weight, gate_multiplier=gate_multiplier, save=linear_save, low_rank=low_rank)
-    y = mlp.down_proj(a)
+    y = down(a)
     return y if down_multiplier == 1.0 else y * down_multiplier
 
 
