@@ -225,7 +225,7 @@ def swiglu_linear(
     check_save_mode(save, LINEAR_SAVE_MODES)
     gate_multiplier = _check_multiplier("gate_multiplier", gate_multiplier)
     two_inter, hidden = gate_up_weight.shape
-    x2d = x.reshape(-1, hidden)
+    x2d = x if x.dim() == 2 else x.reshape(-1, hidden)
     if low_rank is not None:
         u, v = _low_rank_2d(x, gate_up_weight, u, v)
     fused = fused_path_available(x2d, gate_up_weight)
@@ -239,7 +239,7 @@ def swiglu_linear(
         else:
             low = None if u is None else (u, v)
             a = reference_swiglu_packed(x2d, gate_up_weight, gate_multiplier=gate_multiplier, low_rank=low)
-    return a.reshape(*x.shape[:-1], two_inter // 2)
+    return a if x.dim() == 2 else a.reshape(*x.shape[:-1], two_inter // 2)
 
 
 def _low_rank_2d(x, gate_up_weight, u, v) -> tuple[torch.Tensor, torch.Tensor]:
