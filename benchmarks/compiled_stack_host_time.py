@@ -19,20 +19,10 @@ import types
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fused_swiglu.bench.impls import EagerSwiGLUMLP
+from fused_swiglu.bench.impls import EagerSwiGLUMLP, ResidualMLPs
+from fused_swiglu.bench.measure import rotation
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.nn import SwiGLUMLP
-
-
-class _Layers(torch.nn.Module):
-    def __init__(self, mlps) -> None:
-        super().__init__()
-        self.mlps = torch.nn.ModuleList(mlps)
-
-    def forward(self, x):
-        for mlp in self.mlps:
-            x = x + mlp(x)
-        return x
 
 
 def _own_code(cls: type) -> type:
@@ -45,7 +35,7 @@ def _own_code(cls: type) -> type:
 def _stack(kind: str, layers: int, hidden: int, inter: int):
     stock = [EagerSwiGLUMLP(hidden, inter, device="cuda") for _ in range(layers)]
     mlps = stock if kind == "stock" else [SwiGLUMLP.from_mlp(m) for m in stock]
-    return torch.compile(_own_code(_Layers)(mlps), dynamic=False)
+    return torch.compile(_own_code(ResidualMLPs)(mlps), dynamic=False)
 
 
 def main() -> None:
@@ -80,7 +70,7 @@ def main() -> None:
     names = list(stacks)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+        for name in rotation(names, round_):
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(args.calls):

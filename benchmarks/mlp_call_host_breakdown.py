@@ -30,7 +30,8 @@ import torch
 import fused_swiglu.kernels.launch as launch
 import fused_swiglu.ops as ops
 import fused_swiglu.passes as passes
-from fused_swiglu.bench.impls import EagerSwiGLUMLP
+from fused_swiglu.bench.impls import EagerSwiGLUMLP, ResidualMLPs
+from fused_swiglu.bench.measure import rotation
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.nn import SwiGLUMLP
 
@@ -91,19 +92,6 @@ def timers(on: bool, mm: bool = True) -> None:
     passes.torch = ops.torch = TIMED_TORCH if on and mm else torch
 
 
-class _Layers(torch.nn.Module):
-    """``x + mlp(x)``, layer after layer: several fused calls in one compiled graph."""
-
-    def __init__(self, mlps) -> None:
-        super().__init__()
-        self.mlps = torch.nn.ModuleList(mlps)
-
-    def forward(self, x):
-        for mlp in self.mlps:
-            x = x + mlp(x)
-        return x
-
-
 def cases(rows: int, hidden: int, inter: int, layers: int) -> dict[str, tuple[object, str]]:
     """name -> (one call, which timers run while it does: "all", "no mm" or "none")."""
     torch.manual_seed(0)
@@ -112,7 +100,8 @@ def cases(rows: int, hidden: int, inter: int, layers: int) -> dict[str, tuple[ob
     dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     eager = SwiGLUMLP.from_mlp(reference)
     compiled = torch.compile(SwiGLUMLP.from_mlp(reference), dynamic=False)
-    stack = _Layers([SwiGLUMLP.from_mlp(EagerSwiGLUMLP(hidden, inter, device="cuda")) for _ in range(layers)])
+    mlps = [SwiGLUMLP.from_mlp(EagerSwiGLUMLP(hidden, inter, device="cuda")) for _ in range(layers)]
+    stack = ResidualMLPs(mlps)
     compiled_stack = torch.compile(stack, dynamic=False)
 
     def training_call(module) -> None:
@@ -184,7 +173,7 @@ def main() -> None:
     inside: dict[str, list[dict]] = {name: [] for name in found}
     names = list(found)
     for round_ in range(args.rounds):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+        for name in rotation(names, round_):
             call, timed = found[name]
             timers(timed != "none", mm=timed == "all")
             seconds.clear()

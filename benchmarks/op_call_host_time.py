@@ -25,6 +25,7 @@ import torch
 
 import fused_swiglu.kernels.launch as launch
 import fused_swiglu.ops as ops
+from fused_swiglu.bench.measure import rotation
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.kernels.plans import signature
 
@@ -124,7 +125,7 @@ def main() -> None:
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+        for name in rotation(names, round_):
             fn = found[name]
             torch.cuda.synchronize()
             start = time.perf_counter()

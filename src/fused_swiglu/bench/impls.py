@@ -45,6 +45,20 @@ class EagerSwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ResidualMLPs(nn.Module):
+    """``x + mlp(x)``, layer after layer: a stack of MLPs with no attention between them, for timing
+    several calls in one compiled graph."""
+
+    def __init__(self, mlps) -> None:
+        super().__init__()
+        self.mlps = nn.ModuleList(mlps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mlp in self.mlps:
+            x = x + mlp(x)
+        return x
+
+
 @dataclass
 class Impl:
     name: str
