@@ -1,10 +1,12 @@
-"""Launch plans: a later call with the same signature makes the first call's allocations and launches on
-its own tensors, and nothing else; a call that did other work, or returned what a plan cannot name, is
-never replayed.
+"""Launch plans: a later call with the same signature makes the first call's allocations, launches and
+torch operations on its own tensors, and nothing else; a call that did what a replay cannot repeat, or
+returned what a plan cannot name, is never replayed.
 
 The stand-in kernels of test_launch.py show what reaches the C launcher; the library's ops then run
 under the interpreter (on the GPU, the last test of test_launch.py replays them against Triton's choice).
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -63,9 +65,22 @@ def test_a_later_call_replays_the_allocations_and_launches_on_its_own_tensors(me
     assert body.compiled.c_calls[-1] == triton_launch(body.compiled, (3, 1, 1), y, again, 33, 0.5, (32,))
 
 
+#: A tensor made outside every body: a plan cannot name it.
+OUTSIDE = torch.ones(24)
+
+
 @STAND_IN
-def test_a_call_that_does_other_work_is_never_replayed():
-    body = Body(extra=lambda x: x.add(1))
+@pytest.mark.parametrize(
+    "extra",
+    [
+        lambda x: x.sum().item(),  # a value, which the body could branch on
+        lambda x: x.add(OUTSIDE),  # a tensor that is neither an argument nor made by the body
+        lambda x: torch.cat([x, x]),  # tensors inside a list
+    ],
+    ids=["value", "outside-tensor", "tensor-list"],
+)
+def test_a_call_that_does_what_a_replay_cannot_repeat_is_never_replayed(extra):
+    body = Body(extra=extra)
     for _ in range(3):
         body.call(torch.zeros(40, 24), 33, 0.5)
     assert body.runs == 3
@@ -73,10 +88,74 @@ def test_a_call_that_does_other_work_is_never_replayed():
 
 @STAND_IN
 def test_a_result_the_plan_cannot_name_leaves_the_signature_unplanned():
-    body = Body(result=lambda out: out[:2])
+    body = Body(result=lambda out: (out, OUTSIDE))
     for _ in range(2):
-        assert body.call(torch.zeros(40, 24), 33, 0.5).shape == (2,)
+        assert body.call(torch.zeros(40, 24), 33, 0.5)[1] is OUTSIDE
     assert body.runs == 2
+
+
+def _operating_body():
+    """A planned body of torch operations only (a view, a GEMM, in-place ones, a reduction), which
+    returns a view, a new tensor and an argument, and counts its runs."""
+    runs = []
+
+    def body(x, w, scale):
+        runs.append(1)
+        h = torch.mm(x, w.t())
+        h.mul_(scale)
+        x.add_(1.0)
+        return h[:, :3], h.sum(0), x
+
+    return planned(body), runs
+
+
+def test_a_later_call_repeats_the_bodys_operations_on_its_own_tensors():
+    import weakref
+
+    call, runs = _operating_body()
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    refs = [weakref.ref(t) for t in (*first, *call(*first, 0.5))]
+    del first
+    assert all(r() is None for r in refs)  # the plan keeps none of the first call's tensors
+    x, w = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    x_before = x.clone()
+    view, total, same = call(x, w, 0.5)
+    assert len(runs) == 1 and next(iter(call.plans.values())).steps  # replayed
+    expected = torch.mm(x_before, w.t()).mul_(0.5)
+    assert torch.equal(view, expected[:, :3]) and view._base is not None
+    assert torch.equal(total, expected.sum(0))
+    assert same is x and torch.equal(x, x_before + 1.0)
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["hidden-from-autograd", "seen"])
+def test_a_replayed_tensor_leaves_at_the_version_the_body_left_it(hidden):
+    """A body may hide its in-place work on a tensor it made from autograd (the split forward's
+    low-rank term), which the dispatch mode cannot see; a replay leaves the same version."""
+
+    def body(x):
+        h = x.mul(2.0)
+        hide = hidden and not torch.is_inference_mode_enabled()  # inference tensors have no version
+        with torch.autograd._unsafe_preserve_version_counter(h) if hide else contextlib.nullcontext():
+            h.add_(1.0)
+        return h
+
+    call = planned(body)
+    versions = [call(torch.ones(3))._version for _ in range(3)]
+    assert versions == [0 if hidden else 1] * 3
+    with torch.inference_mode():  # a signature of its own, whose tensors have no version
+        assert all(call(torch.ones(3)).is_inference() for _ in range(2))
+    assert call(torch.ones(3))._version == (0 if hidden else 1)
+
+
+def test_operations_under_autocast_are_not_replayed_and_autocast_is_part_of_the_signature():
+    call, runs = _operating_body()
+    x, w = torch.randn(5, 8), torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert [call(x, w, 0.5)[1].dtype for _ in range(2)] == [torch.bfloat16] * 2
+    assert len(runs) == 2  # autocast chose the GEMM's dtype: the body runs every time
+    assert [call(x, w, 0.5)[1].dtype for _ in range(2)] == [torch.float32] * 2
+    assert len(runs) == 3  # outside autocast, a signature of its own, recorded and replayed
 
 
 @STAND_IN
@@ -148,8 +227,9 @@ def test_a_launch_hook_or_verify_sends_a_replay_through_triton(monkeypatch):
 
 @pytest.mark.parametrize("save", ["factors", "preact"])
 def test_replayed_ops_give_what_a_first_call_gives(device, save):
-    """The training ops on new inputs of a recorded signature (replayed; outputs NaN-poisoned at
-    allocation) against the same inputs in a first call (plans cleared), bit for bit."""
+    """The training ops, and inference at a decode size, on new inputs of a recorded signature
+    (replayed; outputs NaN-poisoned at allocation) against the same inputs in a first call (plans
+    cleared), bit for bit."""
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
     problems = [make_problem(37, 48, 80, dtype=dtype, device=device, seed=s) for s in range(2)]
 
@@ -159,7 +239,12 @@ def test_replayed_ops_give_what_a_first_call_gives(device, save):
         grad, recomputed = ops.mlp_gradient(p.dy, p.w_down, saved, 0.7, 1.3, save)
         da = torch.randn_like(a)
         factors = ops.glu_forward(p.x, p.w_gate_up, 0.7, 1.0, "factors", None, None)[1]
-        return [a, kept, grad, recomputed, ops.glu_gradient(da, factors), da]
+        # Decode-sized inference: a GEMM (with a low-rank term added in place) and the activation pass.
+        rows = p.x[:5]
+        u, v = (torch.randn(n, 16, dtype=dtype, device=device) for n in (5, 160))
+        decode = ops.glu_forward(rows, p.w_gate_up, 0.7, 1.3, ops.INFERENCE, None, None)[0]
+        adapted = ops.glu_forward(rows, p.w_gate_up, 0.7, 1.3, ops.INFERENCE, u, v)[0]
+        return [a, kept, grad, recomputed, ops.glu_gradient(da, factors), da, decode, adapted]
 
     planned_ops = (ops._glu_forward, ops._mlp_gradient_pass, ops._glu_gradient_pass)
     for op in planned_ops:

@@ -7,15 +7,19 @@ graph calls each op once per layer and step with the same few signatures, and th
 of the op's host time (docs/design/one-path.md, "Host time per call").
 
 ``planned(body)`` runs the first call of each signature while recording what the body does: each
-buffer it allocates (``common.empty``) and each kernel it launches (``KernelLauncher``). A dispatch
-mode watches for any other torch operation (a copy, a GEMM, a fill), which a replay would not
-repeat: a signature whose first call did other work is never replayed and runs the body every time.
-Otherwise the record is the signature's plan: a later call makes the same allocations and the same
-launches on its own tensors, each straight to its compiled kernel (``BoundLaunch``), and returns
-the tensors in the places the body returned them.
+buffer it allocates (``common.empty``), each kernel it launches (``KernelLauncher``) and, through a
+dispatch mode, each other torch operation (a GEMM, a view, a copy). The record is the signature's
+plan: a later call makes the same allocations, launches and operations on its own tensors, each
+launch straight to its compiled kernel (``BoundLaunch``), each operation straight to its ATen
+operator, and returns the tensors in the places the body returned them. A signature whose first
+call did what a replay cannot repeat is never replayed and runs the body every time: an operation
+that returns something other than tensors (``.item()``: a value the body could branch on), one on a
+tensor that is neither an argument nor made by the body, or any operation under autocast (whose
+casts the signature's dtypes do not fix; whether autocast and inference mode are on is part of the
+signature).
 
 A planned body may check only what the signature holds (a replay skips its checks), and returns a
-tensor or a tuple of tensors, each an argument or a buffer it allocated.
+tensor or a tuple of tensors, each an argument or one the body made.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ PLANS_KEPT = 1024
 #: Whether a plan replays. Tests that spy on the Python between an op and its launches turn it off.
 REPLAY = True
 
-_UNPLANNED = object()  # a signature whose first call did more than allocate and launch
+_UNPLANNED = object()  # a signature whose first call did what a replay cannot repeat
 _EVERY_OP: list[dict] = []  # each planned op's plans
 
 
@@ -49,7 +53,13 @@ def forget() -> None:
 
 def signature(args: tuple) -> tuple:
     """What a planned body's work depends on, of its arguments ``args``."""
-    key = [torch.backends.cuda.matmul.allow_tf32]  # the fp32 dot precision follows it
+    # The fp32 dot precision follows the TF32 switch; under autocast, operations are not recorded;
+    # in inference mode, tensors have no version to restore.
+    key = [
+        torch.backends.cuda.matmul.allow_tf32,
+        torch._C._is_any_autocast_enabled(),
+        torch.is_inference_mode_enabled(),
+    ]
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16))
@@ -67,28 +77,71 @@ class _Allocation(NamedTuple):
         pool.append(torch.empty(self.shape, dtype=self.dtype, device=self.device))
 
 
+def _is_constant(a) -> bool:
+    """An operation's argument a plan keeps as it is: no tensor in it (a size list, a dtype, a float)."""
+    if isinstance(a, (tuple, list)):
+        return all(_is_constant(e) for e in a)
+    return not isinstance(a, torch.Tensor)
+
+
+class _Operation(NamedTuple):
+    """A torch operation of the body, called again with the pool's tensors in the places recorded."""
+
+    op: Callable  # the ATen operator overload
+    args: tuple  # its positional arguments, None where a pool tensor goes
+    kwargs: dict  # its keyword arguments, likewise
+    places: tuple  # (position or keyword, pool index) of each tensor argument
+    appended: tuple[int, ...]  # which of its outputs are new tensors, added to the pool in order
+    single: bool  # it returns one tensor, not a tuple
+
+    def __call__(self, pool: list) -> None:
+        args, kwargs = list(self.args), self.kwargs
+        if self.places:
+            kwargs = dict(kwargs)
+            for place, index in self.places:
+                if type(place) is int:
+                    args[place] = pool[index]
+                else:
+                    kwargs[place] = pool[index]
+        out = self.op(*args, **kwargs)
+        if self.single:
+            if self.appended:
+                pool.append(out)
+        else:
+            pool.extend(out[i] for i in self.appended)
+
+
 class _Plan(NamedTuple):
-    steps: tuple  # _Allocation and BoundLaunch, in the order the body made them
+    steps: tuple  # _Allocation, BoundLaunch and _Operation, in the order the body made them
     results: tuple[int, ...]  # pool index of each tensor the body returned
     single: bool  # the body returned one tensor, not a tuple
+    # (pool index, version) of each returned tensor the body made, in a plan with operations: the
+    # body may have hidden its own in-place work from autograd (``_unsafe_preserve_version_counter``).
+    versions: tuple[tuple[int, int], ...]
 
     def replay(self, tensors: list) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        pool = tensors  # the call's tensors, then each allocation
+        pool = tensors  # the call's tensors, then each buffer and each new tensor an operation returned
         for step in self.steps:
             step(pool)
+        for index, version in self.versions:
+            if pool[index]._version != version:
+                torch._C._autograd._unsafe_set_version_counter((pool[index],), (version,))
         if self.single:
             return pool[self.results[0]]
         return tuple(pool[i] for i in self.results)
 
 
 class _Recording:
-    """What one call of a planned body allocated and launched, and whether it did anything else."""
+    """What one call of a planned body allocated, launched and operated on, and whether a replay
+    could not repeat it."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.pool = list(tensors)
+        self.arguments = len(tensors)
         self.steps: list = []
         self.other_work = False
         self.in_step = False  # inside an allocation or a launch, which a replay repeats whole
+        self.autocast = torch._C._is_any_autocast_enabled()  # (a dispatch mode sees it off)
 
     @contextlib.contextmanager
     def step(self):
@@ -116,6 +169,33 @@ class _Recording:
         if not bound.resolved:
             self.other_work = True
 
+    def operated(self, op, args: tuple, kwargs: dict, out) -> None:
+        """Records ``op(*args, **kwargs)``, which returned ``out``, or marks what a replay cannot repeat."""
+        if self.autocast:  # autocast chose its dtypes: a replay under another would cast again
+            self.other_work = True
+            return
+        single = isinstance(out, torch.Tensor)
+        outputs = (out,) if single else out
+        if not isinstance(outputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in outputs):
+            self.other_work = True  # a value (``.item()``), which the body may have branched on
+            return
+        places, template, kw_template = [], list(args), dict(kwargs)
+        for place, a in (*enumerate(args), *kwargs.items()):
+            if _is_constant(a):
+                continue
+            index = self.index_of(a) if isinstance(a, torch.Tensor) else None
+            if index is None:  # a tensor the pool does not hold once, or tensors inside a list
+                self.other_work = True
+                return
+            places.append((place, index))
+            if type(place) is int:
+                template[place] = None
+            else:
+                kw_template[place] = None
+        appended = tuple(i for i, t in enumerate(outputs) if not any(t is p for p in self.pool))
+        self.pool.extend(outputs[i] for i in appended)
+        self.steps.append(_Operation(op, tuple(template), kw_template, tuple(places), appended, single))
+
     def plan(self, result) -> _Plan | object:
         single = isinstance(result, torch.Tensor)
         results = [
@@ -124,11 +204,18 @@ class _Recording:
         ]
         if self.other_work or None in results:
             return _UNPLANNED
-        return _Plan(tuple(self.steps), tuple(results), single)
+        made = range(self.arguments, len(self.pool))
+        operated = any(type(step) is _Operation for step in self.steps)
+        versions = tuple(
+            (i, self.pool[i]._version)
+            for i in sorted(set(results))
+            if i in made and operated and not self.pool[i].is_inference()
+        )
+        return _Plan(tuple(self.steps), tuple(results), single, versions)
 
 
 class _Watch(TorchDispatchMode):
-    """Marks the recording at any torch operation outside its allocations and launches."""
+    """Records each torch operation outside the recording's allocations and launches."""
 
     def __init__(self, recording: _Recording) -> None:
         super().__init__()
@@ -141,9 +228,10 @@ class _Watch(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self.recording.in_step:
-            self.recording.other_work = True
-        return func(*args, **(kwargs or {}))
+            self.recording.operated(func, args, kwargs or {}, out)
+        return out
 
 
 def _record(body: Callable, args: tuple, tensors: list[torch.Tensor]):
