@@ -4,6 +4,7 @@ step, however deep, and the first losses of stock eager."""
 
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -91,6 +92,24 @@ def test_side_by_side_processes_take_turns_and_report_a_failed_variant():
     assert firsts == ["stock-eager", "fused-eager", "stock-eager", "fused-eager"]
     assert len(stock["window_ms"]) == 4 and stock["losses"] and fused["graphs"] == 0
     assert any("round 4/4" in line for line in log)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores"
+)
+def test_pinned_workers_run_on_disjoint_shares_of_the_cores():
+    from fused_swiglu.bench.model import core_shares
+    from fused_swiglu.bench.side_by_side import run_side_by_side
+
+    shares = core_shares(2)
+    assert len(shares) == 2 and not set(shares[0]) & set(shares[1]) and all(shares)
+    common = {"layers": 1, "precision": "fp32", "steps": 1, "device": "cpu", **TINY}
+    variants = ("stock-eager", "fused-eager")
+    specs = [RunSpec(v, **common, cores=c) for v, c in zip(variants, shares, strict=True)]
+    runs = run_side_by_side(specs, windows=1, timeout=600, log=lambda line: None)
+    assert [tuple(run["affinity"]) for run in runs] == shares
+    with pytest.raises(ValueError, match="cannot give"):
+        core_shares(len(os.sched_getaffinity(0)) + 1)
 
 
 def test_a_worker_that_does_not_answer_in_time_is_stopped_and_reported():

@@ -11,6 +11,7 @@ recompiles, and the first steps' losses, which are compared with stock eager's.
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -69,6 +70,7 @@ class RunSpec:
     experts: int = 0  # > 0: Qwen3-MoE with this many routed experts of ``intermediate`` per layer
     top_k: int = 2  # experts per token (with ``experts``)
     host_profile: bool = False  # also profile one window's host time per operator (torch.profiler)
+    cores: tuple[int, ...] = ()  # the CPU cores its process runs on (``--pin-cores``); (): any
 
 
 def _config(spec: RunSpec):
@@ -208,6 +210,7 @@ class Training:
             "graph_breaks": sum(counters["graph_break"].values()),
             "recompiles": counters["stats"]["unique_graphs"] - self.graphs_after_first,
             "losses": self.losses,
+            "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }
 
 
@@ -436,6 +439,17 @@ def side_by_side_groups(variants: list[str], at_once: int) -> list[list[str]]:
     return [[v for v in variants if v in bases or v in chunk] for chunk in chunks]
 
 
+def core_shares(processes: int) -> list[tuple[int, ...]]:
+    """This process's CPU cores in ``processes`` disjoint, equal, contiguous shares."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("pinning processes to cores needs os.sched_setaffinity (Linux)")
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // processes
+    if share < 1:
+        raise ValueError(f"{len(cores)} CPU cores cannot give {processes} processes one each")
+    return [tuple(cores[i * share : (i + 1) * share]) for i in range(processes)]
+
+
 def run_model_bench(
     sizes: dict[str, tuple[int, int, int, int]],
     variants: list[str],
@@ -451,11 +465,13 @@ def run_model_bench(
     lora_rank: int = 0,
     moe: tuple[int, int] | None = None,
     host_profile: bool = False,
+    pin_cores: bool = False,
     log=print,
 ) -> tuple[list[dict], list[dict]]:
     """Every (size, precision) ``reps`` times: its variants side by side, each in a fresh process,
     ``windows`` windows of ``steps`` steps each in turn (side_by_side.py), at most ``at_once``
-    processes at a time (``side_by_side_groups``); returns every run and the summary rows."""
+    processes at a time (``side_by_side_groups``); with ``pin_cores``, each process of a group on a
+    share of the CPU cores of its own (``core_shares``). Returns every run and the summary rows."""
     from .side_by_side import run_side_by_side
 
     groups = side_by_side_groups(variants, at_once)
@@ -464,6 +480,7 @@ def run_model_bench(
         for precision in precisions:
             for rep, (group, group_variants) in itertools.product(range(reps), enumerate(groups)):
                 log(f"[{name} {precision} rep {rep + 1}/{reps}] side by side: {', '.join(group_variants)}")
+                shares = core_shares(len(group_variants)) if pin_cores else [()] * len(group_variants)
                 specs = [
                     RunSpec(
                         variant,
@@ -480,8 +497,9 @@ def run_model_bench(
                         experts=moe[0] if moe else 0,
                         top_k=moe[1] if moe else 2,
                         host_profile=host_profile,
+                        cores=cores,
                     )
-                    for variant in group_variants
+                    for variant, cores in zip(group_variants, shares, strict=True)
                 ]
                 for r in run_side_by_side(specs, windows, timeout, log):
                     results.append({**r, "rep": rep, "group": group})

@@ -22,6 +22,7 @@ from .model import (
     MODEL_SIZES,
     PRECISIONS,
     VARIANTS,
+    core_shares,
     model_table,
     plot_model,
     run_model_bench,
@@ -207,6 +208,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also profile one more window per run on the host (torch.profiler): the operators that took "
         "the most host time per step, printed after each run and kept in results.json",
+    )
+    model.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="run each of the processes side by side on its own share of the CPU cores (Linux)",
     )
     model.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (Triton interpreter)")
     model.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled variants")
@@ -408,10 +414,16 @@ def run_model(args: argparse.Namespace) -> int:
         print(f"{', '.join(grouped)}: transformers' grouped experts, for --moe models only")
         return 2
     try:
-        side_by_side_groups(args.variants, args.at_once)
+        groups = side_by_side_groups(args.variants, args.at_once)
     except ValueError as error:
         print(f"bench --model --at-once: {error}")
         return 2
+    if args.pin_cores:
+        try:
+            core_shares(max(len(group) for group in groups))
+        except ValueError as error:
+            print(f"bench --model --pin-cores: {error}")
+            return 2
     sizes = {name: MODEL_SIZES[name] for name in (args.model or ([] if args.model_size else MODEL_SIZES))}
     sizes |= {f"{h}/{i}x{n}-{t}": (h, i, n, t) for h, i, n, t in args.model_size}
     meta = provenance(args.commit, args.device)
@@ -430,6 +442,7 @@ def run_model(args: argparse.Namespace) -> int:
         lora_rank=args.lora_rank,
         moe=tuple(args.moe) if args.moe else None,
         host_profile=args.host_profile,
+        pin_cores=args.pin_cores,
         log=lambda line: print(line, flush=True),
     )
     print(model_table(rows), flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -140,6 +141,8 @@ def _answer(message: dict) -> None:
 
 def serve(spec: RunSpec) -> None:
     """The worker: prepares ``spec``'s training, then answers commands from stdin until ``finish``."""
+    if spec.cores:
+        os.sched_setaffinity(0, spec.cores)  # before any thread starts: each one inherits it
     try:
         training = Training(spec)
     except Exception as error:  # reported to the coordinator, which reports it per variant
@@ -160,4 +163,5 @@ def serve(spec: RunSpec) -> None:
 
 
 if __name__ == "__main__":
-    serve(RunSpec(**json.loads(sys.argv[1])))
+    fields = json.loads(sys.argv[1])
+    serve(RunSpec(**{**fields, "cores": tuple(fields.get("cores", ()))}))
