@@ -128,6 +128,26 @@ def test_a_later_call_repeats_the_bodys_operations_on_its_own_tensors():
     assert same is x and torch.equal(x, x_before + 1.0)
 
 
+def test_a_replay_lets_go_of_each_tensor_after_its_last_use():
+    """As the body frees ``t`` before making ``w``, a replay holds it no longer than that."""
+
+    def body(x):
+        t = x.mul(2.0)
+        u = t.add(1.0)
+        del t
+        return u.mul(3.0)
+
+    call = planned(body)
+    call(torch.ones(7, 13))
+    [(key, plan)] = call.plans.items()
+    assert plan.drops == ((), (1,), (2,))  # t (place 1) after the add, u (place 2) after the last mul
+    alive = []
+    last = plan.steps[2]
+    steps = (*plan.steps[:2], lambda pool: (alive.append(pool[1]), last(pool)))
+    call.plans[key] = plan._replace(steps=steps)
+    assert torch.equal(call(torch.ones(7, 13)), torch.full((7, 13), 9.0)) and alive == [None]
+
+
 @pytest.mark.parametrize("hidden", [True, False], ids=["hidden-from-autograd", "seen"])
 def test_a_replayed_tensor_leaves_at_the_version_the_body_left_it(hidden):
     """A body may hide its in-place work on a tensor it made from autograd (the split forward's
@@ -227,9 +247,9 @@ def test_a_launch_hook_or_verify_sends_a_replay_through_triton(monkeypatch):
 
 @pytest.mark.parametrize("save", ["factors", "preact"])
 def test_replayed_ops_give_what_a_first_call_gives(device, save):
-    """The training ops, and inference at a decode size, on new inputs of a recorded signature
-    (replayed; outputs NaN-poisoned at allocation) against the same inputs in a first call (plans
-    cleared), bit for bit."""
+    """The training ops (the recompute backward's included), and inference at a decode size, on new
+    inputs of a recorded signature (replayed; outputs NaN-poisoned at allocation) against the same
+    inputs in a first call (plans cleared), bit for bit."""
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
     problems = [make_problem(37, 48, 80, dtype=dtype, device=device, seed=s) for s in range(2)]
 
@@ -244,9 +264,21 @@ def test_replayed_ops_give_what_a_first_call_gives(device, save):
         u, v = (torch.randn(n, 16, dtype=dtype, device=device) for n in (5, 160))
         decode = ops.glu_forward(rows, p.w_gate_up, 0.7, 1.3, ops.INFERENCE, None, None)[0]
         adapted = ops.glu_forward(rows, p.w_gate_up, 0.7, 1.3, ops.INFERENCE, u, v)[0]
-        return [a, kept, grad, recomputed, ops.glu_gradient(da, factors), da, decode, adapted]
+        # The recompute backward, two pieces of 40 columns: GEMMs into slices, in-place sums.
+        mlp = ops.mlp_backward_recomputed(
+            p.dy, p.x, p.w_gate_up, p.w_down, 0.7, 1.3, True, True, True, dtype, dtype
+        )
+        u, v = (torch.randn(n, 16, dtype=dtype, device=device) for n in (37, 160))
+        glu = ops.glu_backward_recomputed(da, p.x, p.w_gate_up, u, v, 0.7, True, True, True, True, dtype)
+        return [a, kept, grad, recomputed, ops.glu_gradient(da, factors), da, decode, adapted, *mlp, *glu]
 
-    planned_ops = (ops._glu_forward, ops._mlp_gradient_pass, ops._glu_gradient_pass)
+    planned_ops = (
+        ops._glu_forward,
+        ops._mlp_gradient_pass,
+        ops._glu_gradient_pass,
+        ops._mlp_backward_recomputed,
+        ops._glu_backward_recomputed,
+    )
     for op in planned_ops:
         op.plans.clear()
     calls(problems[0])

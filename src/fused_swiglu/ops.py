@@ -177,6 +177,7 @@ glu_gradient = define("glu_gradient(Tensor da, Tensor factors) -> Tensor", _glu_
 
 
 @_on_tensor_device
+@planned
 def _mlp_backward_recomputed(
     dy, x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, *needs_and_dtypes
 ):
@@ -207,6 +208,7 @@ mlp_backward_recomputed = define(
 
 
 @_on_tensor_device
+@planned
 def _glu_backward_recomputed(da, x2d, gate_up_weight, u, v, gate_multiplier, *needs_and_dtype):
     """dX, the packed dW_gate_up (in the dtype given), dU and dV of the GLU operator's ``"recompute"``
     (empty where not needed), its factors made again piece by piece inside the op."""

@@ -18,6 +18,9 @@ tensor that is neither an argument nor made by the body, or any operation under 
 casts the signature's dtypes do not fix; whether autocast and inference mode are on is part of the
 signature).
 
+A replay lets go of each tensor after the last step that reads it, unless the body returned it, so
+a body that frees as it goes (the recompute backward, piece by piece) keeps no more alive replayed.
+
 A planned body may check only what the signature holds (a replay skips its checks), and returns a
 tensor or a tuple of tensors, each an argument or one the body made.
 """
@@ -111,6 +114,41 @@ class _Operation(NamedTuple):
             pool.extend(out[i] for i in self.appended)
 
 
+def _reads(step) -> set[int]:
+    """The pool places a step takes its tensors from."""
+    if isinstance(step, BoundLaunch):
+        return {slot.index for slot in step.slots if slot.index is not None}
+    if isinstance(step, _Operation):
+        return {index for _, index in step.places}
+    return set()
+
+
+def _made(step) -> int:
+    """How many tensors a step adds to the pool."""
+    if isinstance(step, _Allocation):
+        return 1
+    return len(step.appended) if isinstance(step, _Operation) else 0
+
+
+def _drops(steps: tuple, arguments: int, results: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """After each step, the pool places that no later step reads and the body does not return, so
+    that a replay frees what the body freed as it went (the recompute backward's pieces); None
+    where there are none."""
+    last: dict[int, int] = {}
+    size = arguments
+    for s, step in enumerate(steps):
+        for index in range(size, size + _made(step)):
+            last[index] = s  # made here, and read by no later step unless one says so below
+        size += _made(step)
+        last.update(dict.fromkeys(_reads(step), s))
+    kept = set(results) | set(range(arguments))
+    drops = [[] for _ in steps]
+    for index, s in last.items():
+        if index not in kept:
+            drops[s].append(index)
+    return tuple(map(tuple, drops)) if any(drops) else None
+
+
 class _Plan(NamedTuple):
     steps: tuple  # _Allocation, BoundLaunch and _Operation, in the order the body made them
     results: tuple[int, ...]  # pool index of each tensor the body returned
@@ -118,11 +156,18 @@ class _Plan(NamedTuple):
     # (pool index, version) of each returned tensor the body made, in a plan with operations: the
     # body may have hidden its own in-place work from autograd (``_unsafe_preserve_version_counter``).
     versions: tuple[tuple[int, int], ...]
+    drops: tuple[tuple[int, ...], ...] | None  # per step, the places freed after it (``_drops``)
 
     def replay(self, tensors: list) -> torch.Tensor | tuple[torch.Tensor, ...]:
         pool = tensors  # the call's tensors, then each buffer and each new tensor an operation returned
-        for step in self.steps:
-            step(pool)
+        if self.drops is None:
+            for step in self.steps:
+                step(pool)
+        else:
+            for step, dropped in zip(self.steps, self.drops, strict=True):
+                step(pool)
+                for index in dropped:
+                    pool[index] = None
         for index, version in self.versions:
             if pool[index]._version != version:
                 torch._C._autograd._unsafe_set_version_counter((pool[index],), (version,))
@@ -211,7 +256,8 @@ class _Recording:
             for i in sorted(set(results))
             if i in made and operated and not self.pool[i].is_inference()
         )
-        return _Plan(tuple(self.steps), tuple(results), single, versions)
+        steps = tuple(self.steps)
+        return _Plan(steps, tuple(results), single, versions, _drops(steps, self.arguments, tuple(results)))
 
 
 class _Watch(TorchDispatchMode):
