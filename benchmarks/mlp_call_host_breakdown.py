@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import statistics
 import time
 import types
@@ -31,7 +30,7 @@ import fused_swiglu.kernels.launch as launch
 import fused_swiglu.ops as ops
 import fused_swiglu.passes as passes
 from fused_swiglu.bench.impls import EagerSwiGLUMLP, ResidualMLPs
-from fused_swiglu.bench.measure import rotation
+from fused_swiglu.bench.measure import GarbageCollections, rotation
 from fused_swiglu.bench.report import start_gpu_log
 from fused_swiglu.nn import SwiGLUMLP
 
@@ -49,18 +48,6 @@ def _timed(name: str, fn):
             calls[name] += 1
 
     return wrapper
-
-
-_gc_started: list[float] = []
-
-
-def _gc_timer(phase: str, info: dict) -> None:
-    """Python's garbage collections, timed as one more part of a call ("garbage collection")."""
-    if phase == "start":
-        _gc_started.append(time.perf_counter())
-    elif _gc_started:
-        seconds["garbage collection"] += time.perf_counter() - _gc_started.pop()
-        calls["garbage collection"] += 1
 
 
 class _TorchWithTimedMm(types.ModuleType):
@@ -164,7 +151,7 @@ def main() -> None:
     if start_gpu_log(args.commit, "mlp_call_host_breakdown.py needs a CUDA GPU") is None:
         return
     found = cases(args.rows, args.hidden, args.inter, args.layers)
-    gc.callbacks.append(_gc_timer)
+    collected = GarbageCollections()  # timed as one more part of a call
     for call, _ in found.values():
         for _ in range(20):  # compiles, caches, the allocator's steady state
             call()
@@ -178,6 +165,7 @@ def main() -> None:
             timers(timed != "none", mm=timed == "all")
             seconds.clear()
             calls.clear()
+            collected.runs.clear()
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(args.calls):
@@ -185,6 +173,9 @@ def main() -> None:
             torch.cuda.synchronize()
             walls[name].append((time.perf_counter() - start) / args.calls * 1e6)
             timers(False)
+            if collected.runs:
+                seconds["garbage collection"] = sum(s for _, s in collected.runs)
+                calls["garbage collection"] = len(collected.runs)
             inside[name].append({k: (seconds[k] / args.calls * 1e6, calls[k] / args.calls) for k in calls})
     print(
         f"rows {args.rows}, hidden {args.hidden}, intermediate {args.inter}; medians of {args.rounds} rounds"

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fused_swiglu.bench.measure import rotation
+from fused_swiglu.bench.measure import GarbageCollections, rotation
 from fused_swiglu.bench.model import RunSpec, Training
 from fused_swiglu.bench.report import start_gpu_log
 
@@ -26,25 +26,7 @@ CONDITIONS = ("plain", "sleep", "no gc", "no gc, sleep")
 STEPS, WARMUP, SLEEP_S = 20, 3, 0.5
 
 
-class Collections:
-    """The garbage collector's runs since ``clear()``: (generation, seconds) each."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[int, float]] = []
-        self._start = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.runs.append((info["generation"], time.perf_counter() - self._start))
-
-    def clear(self) -> None:
-        self.runs.clear()
-
-
-def window(training: Training, condition: str, collections: Collections) -> dict:
+def window(training: Training, condition: str, collections: GarbageCollections) -> dict:
     if "sleep" in condition:
         time.sleep(SLEEP_S)
     if "no gc" in condition:
@@ -53,7 +35,7 @@ def window(training: Training, condition: str, collections: Collections) -> dict
         for _ in range(WARMUP):
             training.step()
         torch.cuda.synchronize()
-        collections.clear()
+        collections.runs.clear()
         marks = [time.perf_counter()]
         for _ in range(STEPS):
             training.step()
@@ -83,7 +65,7 @@ def main() -> None:
     if start_gpu_log(args.commit, "window_conditions.py needs a CUDA GPU") is None:
         return
     training = Training(RunSpec(args.variant, *args.size))
-    collections = Collections()
+    collections = GarbageCollections()
     windows: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
     for round_ in range(args.rounds):
         for condition in rotation(list(CONDITIONS), round_):

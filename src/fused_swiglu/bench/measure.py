@@ -8,6 +8,7 @@ alike.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +25,22 @@ def rotation(names: list, rep: int) -> list:
     """``names`` starting at index ``rep`` (mod its length): the order of one interleaved repetition."""
     shift = rep % len(names)
     return names[shift:] + names[:shift]
+
+
+class GarbageCollections:
+    """Python's garbage collections from its making on: ``runs`` holds (generation, seconds) of each."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, float]] = []
+        self._start: float | None = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.runs.append((info["generation"], time.perf_counter() - self._start))
+            self._start = None
 
 
 def median_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, grad_to_none=None) -> float:

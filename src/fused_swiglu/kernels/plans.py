@@ -93,19 +93,18 @@ class _Operation(NamedTuple):
     op: Callable  # the ATen operator overload
     args: tuple  # its positional arguments, None where a pool tensor goes
     kwargs: dict  # its keyword arguments, likewise
-    places: tuple  # (position or keyword, pool index) of each tensor argument
+    places: tuple[tuple[int, int], ...]  # (position, pool index) of each positional tensor argument
+    keyword_places: tuple[tuple[str, int], ...]  # (keyword, pool index) of each keyword tensor argument
     appended: tuple[int, ...]  # which of its outputs are new tensors, added to the pool in order
     single: bool  # it returns one tensor, not a tuple
 
     def __call__(self, pool: list) -> None:
-        args, kwargs = list(self.args), self.kwargs
-        if self.places:
-            kwargs = dict(kwargs)
-            for place, index in self.places:
-                if type(place) is int:
-                    args[place] = pool[index]
-                else:
-                    kwargs[place] = pool[index]
+        args = list(self.args)
+        for position, index in self.places:
+            args[position] = pool[index]
+        kwargs = self.kwargs
+        if self.keyword_places:
+            kwargs = {**kwargs, **{keyword: pool[index] for keyword, index in self.keyword_places}}
         out = self.op(*args, **kwargs)
         if self.single:
             if self.appended:
@@ -119,7 +118,7 @@ def _reads(step) -> set[int]:
     if isinstance(step, BoundLaunch):
         return {slot.index for slot in step.slots if slot.index is not None}
     if isinstance(step, _Operation):
-        return {index for _, index in step.places}
+        return {index for _, index in (*step.places, *step.keyword_places)}
     return set()
 
 
@@ -224,7 +223,7 @@ class _Recording:
         if not isinstance(outputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in outputs):
             self.other_work = True  # a value (``.item()``), which the body may have branched on
             return
-        places, template, kw_template = [], list(args), dict(kwargs)
+        template, kw_template, places, keyword_places = list(args), dict(kwargs), [], []
         for place, a in (*enumerate(args), *kwargs.items()):
             if _is_constant(a):
                 continue
@@ -232,14 +231,16 @@ class _Recording:
             if index is None:  # a tensor the pool does not hold once, or tensors inside a list
                 self.other_work = True
                 return
-            places.append((place, index))
-            if type(place) is int:
-                template[place] = None
-            else:
+            if isinstance(place, str):
+                keyword_places.append((place, index))
                 kw_template[place] = None
+            else:
+                places.append((place, index))
+                template[place] = None
         appended = tuple(i for i, t in enumerate(outputs) if not any(t is p for p in self.pool))
         self.pool.extend(outputs[i] for i in appended)
-        self.steps.append(_Operation(op, tuple(template), kw_template, tuple(places), appended, single))
+        template, places, keyword_places = tuple(template), tuple(places), tuple(keyword_places)
+        self.steps.append(_Operation(op, template, kw_template, places, keyword_places, appended, single))
 
     def plan(self, result) -> _Plan | object:
         single = isinstance(result, torch.Tensor)
