@@ -3,12 +3,13 @@
 Run on the GPU: ``python benchmarks/experts_gate_up.py [--tokens N] [--reps N] [--commit SHA]``.
 At each ``bench --experts`` shape (bf16, balanced routing), on x's rows grouped by expert: the
 library's forward kernel with the SwiGLU in its epilogue (saving the factors, as ``save="factors"``
-does); ``torch._grouped_mm`` alone (the floor's GEMM); and ``torch._grouped_mm`` followed by the
-library's activation pass writing the factors over the pre-activations (what a cuBLAS path would
-run instead). ``a`` of the kernel is compared with
-the cuBLAS path's (relative difference); the three are timed in one loop, the order rotating between
-repetitions (``do_bench`` medians). Where the kernel is slower than the GEMM plus the pass, the
-fusion loses: the question at Mixtral-8x7B's sizes, where the GEMMs are 90% of the step.
+does) reading the gathered rows through TMA; the same kernel reading x's rows by index (what the
+experts run); the gather followed by the kernel (what they ran before); ``torch._grouped_mm``
+alone (the floor's GEMM); and ``torch._grouped_mm`` followed by the library's activation pass
+writing the factors over the pre-activations (what a cuBLAS path would run instead). ``a`` of the
+kernel is compared with the cuBLAS path's (relative difference) and with the kernel's by index
+(which must be equal); all are timed in one loop, the order rotating between repetitions
+(``do_bench`` medians), as ratios to ``torch._grouped_mm``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def variants(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> 
     routes = route(index, experts)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-    x_rows = x[routes.sources // top_k].contiguous()
+    token_of_row = (routes.sources // top_k).int()
+    x_rows = x[token_of_row].contiguous()
     gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     gate_up /= hidden**0.5
     table = (routes.tiles, routes.used_tiles, experts)
@@ -43,13 +45,25 @@ def variants(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> 
     def kernel():
         return glu_forward(x_rows, gate_up, save=Saved.FACTORS, experts=table, **ONE)[0]
 
+    def by_index():
+        return glu_forward(x, gate_up, save=Saved.FACTORS, experts=table, row_index=token_of_row, **ONE)[0]
+
+    def gather_and_kernel():
+        return glu_forward(x[token_of_row], gate_up, save=Saved.FACTORS, experts=table, **ONE)[0]
+
     def gemm():
         return torch._grouped_mm(x_rows, w_t, offs=routes.ends)
 
     def gemm_and_pass():  # the factors over the pre-activations, as the kernel saves them
         return glu_activation(gemm(), factors_in_place=True, **ONE)
 
-    return {"kernel": kernel, "grouped_mm": gemm, "grouped_mm + activation": gemm_and_pass}
+    return {
+        "kernel": kernel,
+        "by index": by_index,
+        "gather + kernel": gather_and_kernel,
+        "grouped_mm": gemm,
+        "grouped_mm + activation": gemm_and_pass,
+    }
 
 
 def main() -> None:
@@ -60,13 +74,16 @@ def main() -> None:
     args = parser.parse_args()
     if start_gpu_log(args.commit, "experts_gate_up.py needs a CUDA GPU") is None:
         return
-    print(f"{'shape':16s} {'grouped_mm ms':>14s} {'kernel':>8s} {'+ activation':>13s} {'a rel. diff':>12s}")
+    columns = ("kernel", "by index", "gather + kernel", "grouped_mm + activation")
+    print(f"{'shape':16s} {'grouped_mm ms':>14s} " + " ".join(f"{c:>12s}" for c in columns) + "  a rel. diff")
     for name, (hidden, inter, experts, top_k) in EXPERT_SHAPES.items():
         fns = variants(hidden, inter, experts, top_k, args.tokens)
         diff = relative_error(fns["kernel"]().float(), fns["grouped_mm + activation"]().float())
+        if not torch.equal(fns["kernel"](), fns["by index"]()):
+            raise SystemExit(f"{name}: the kernel by index differs from the kernel on the gathered rows")
         ms = interleaved_medians(fns, args.reps)
         floor = ms["grouped_mm"]
-        ratios = f"{ms['kernel'] / floor:8.3f} {ms['grouped_mm + activation'] / floor:13.3f}"
+        ratios = " ".join(f"{ms[c] / floor:12.3f}" for c in columns)
         print(f"{name:16s} {floor:14.3f} {ratios} {diff:12.2e}", flush=True)
 
 

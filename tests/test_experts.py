@@ -491,6 +491,42 @@ def test_forward_kernel_walks_table_tiles_in_smaller_kernel_tiles(device):
     assert relative_error(results[1][0], (torch.nn.functional.silu(gate) * up).reshape(-1, 48)) < 1e-5
 
 
+@pytest.mark.parametrize("hidden", [48, 40], ids=["whole-k-tiles", "part-k-tile"])
+@pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
+def test_forward_kernel_reads_rows_by_index_as_from_gathered_rows(device, hidden, save):
+    """The forward kernel reading x's rows by index (x strided, with more rows than any slot uses)
+    makes exactly what it makes from the gathered rows, on a ragged routing with an empty expert;
+    every row is written (NaN-poisoned buffers)."""
+    from fused_swiglu.kernels.common import Saved
+    from fused_swiglu.kernels.glu_forward import glu_forward
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # bf16 dots: GPU only
+    x, index, _, gate_up, _, _ = problem(29, hidden, 48, 4, 2, device, empty=(1,))
+    wide = torch.cat((x, torch.full_like(x[:, :8], float("nan"))), dim=1).to(dtype)  # row stride H + 8
+    x, gate_up = wide[:, :hidden], gate_up.to(dtype)
+    routes = route(index[:-3], 4)  # the last 3 tokens are routed nowhere
+    token_of_row = (routes.sources // 2).int()
+    experts = (routes.tiles, routes.used_tiles, 4)
+    kind = Saved.of(save)
+    by_index = glu_forward(x, gate_up, save=kind, experts=experts, row_index=token_of_row, **MULTIPLIERS)
+    gathered = glu_forward(x[token_of_row].contiguous(), gate_up, save=kind, experts=experts, **MULTIPLIERS)
+    assert (by_index[1] is None) == (gathered[1] is None) == (kind == Saved.NOTHING)
+    for got, want in zip(by_index, gathered, strict=True):
+        if want is not None:
+            assert got.shape[0] == len(token_of_row) and not got.isnan().any()
+            assert torch.equal(got, want)
+
+
+def test_forward_kernel_refuses_row_index_without_table(device):
+    from fused_swiglu.kernels.common import Saved
+    from fused_swiglu.kernels.glu_forward import glu_forward
+
+    x, _, _, gate_up, _, _ = problem(8, 32, 16, 1, 1, device)
+    rows = torch.zeros(4, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="row index needs a tile table"):
+        glu_forward(x, gate_up[0], save=Saved.FACTORS, row_index=rows, **MULTIPLIERS)
+
+
 def _routed_backward_reference(dy_rows, down, preact, weights_of_row, expert_of_row):
     """float64: the gradient of a * w per row, the routing weights' gradient, a * w and [dU | dG]."""
     from fused_swiglu.layout import split_packed_columns
@@ -612,15 +648,15 @@ def test_ops_fake_implementations_match(device, save):
     x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
     routes = route(index, 4)
     table = (routes.tiles, routes.used_tiles, routes.ends)
-    token_of_row = routes.sources // 2
-    x_rows, w_rows = x[token_of_row], weights.reshape(-1)[routes.sources]
-    y_rows, saved, a = experts_forward(x_rows, w_rows, gate_up, down, *table, save)
+    token_of_row = (routes.sources // 2).int()
+    w_rows = weights.reshape(-1)[routes.sources]
+    y_rows, saved, a = experts_forward(x, token_of_row, w_rows, gate_up, down, *table, save)
     down_args = (dy[token_of_row], x, token_of_row, w_rows, gate_up, down, saved, a, *table, save, True, True)
     real_down = experts_backward_down(*down_args)
     grad = real_down[2] if save == "recompute" else saved
     gate_up_args = (grad, x, token_of_row, gate_up, routes.ends, real_down[0], True, True)
     real_gate_up = experts_backward_gate_up(*gate_up_args)
-    calls = [(experts_forward, (x_rows, w_rows, gate_up, down, *table, save), (y_rows, saved, a))]
+    calls = [(experts_forward, (x, token_of_row, w_rows, gate_up, down, *table, save), (y_rows, saved, a))]
     calls += [
         (experts_backward_down, down_args, real_down),
         (experts_backward_gate_up, gate_up_args, real_gate_up),

@@ -39,8 +39,8 @@ __all__ = ["SwiGLUExperts", "reference_swiglu_experts", "swiglu_experts"]
 class RoutedExpertsFunction(torch.autograd.Function):
     """y [T, H]: each token's routed slots through their experts' SwiGLU MLPs, weighted and summed.
 
-    The slots' rows are gathered from x (and their gradients summed back) here, in PyTorch; the
-    experts run in the ops (experts_ops.py). Saved for the backward besides x, the weights and the
+    The experts run in the ops (experts_ops.py), which read x's rows by each row's token; the
+    gradient's rows are gathered from dy here. Saved for the backward besides x, the weights and the
     routing: what the forward op saved for ``save``, per routed slot."""
 
     @staticmethod
@@ -51,7 +51,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         token_of_row, w_rows = (sources // k).int(), slot_weights[sources]
         weights = (gate_up_weight, down_weight)
         table = (tiles, used_tiles, ends)
-        y_rows, saved, a = experts_forward(x[token_of_row], w_rows, *weights, *table, save)
+        y_rows, saved, a = experts_forward(x, token_of_row, w_rows, *weights, *table, save)
         ctx.save_for_backward(x, w_rows, *weights, rows, token_of_row, *table, saved, a)
         ctx.k, ctx.save, ctx.weights_dtype = k, save, slot_weights.dtype
         return experts_combine(y_rows, rows, k)
@@ -168,9 +168,9 @@ def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: st
     leaves = (x, slot_weights, gate_up_weight, down_weight)
     if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
         return RoutedExpertsFunction.apply(*leaves, routes.rows, routes.sources, *table, k, save)
-    token_of_row = routes.sources // k
+    token_of_row = (routes.sources // k).int()
     y_rows = experts_inference(
-        x[token_of_row], slot_weights[routes.sources], gate_up_weight, down_weight, *table
+        x, token_of_row, slot_weights[routes.sources], gate_up_weight, down_weight, *table
     )
     return experts_combine(y_rows, routes.rows, k)
 

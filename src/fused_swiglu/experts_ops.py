@@ -1,17 +1,17 @@
 """The custom ops of the routed experts (``fused_swiglu::``, as ops.py for the dense MLP), over x's rows
-grouped by expert, one row per routed slot (routing.py):
+grouped by expert, one row per routed slot (routing.py), each row given by its token:
 
 * forward: every expert's gate/up GEMM as the forward kernel with a table of row tiles and the
-  SwiGLU in its epilogue, then the routing weights on ``a`` and every expert's down projection as one
-  grouped GEMM. Saved for the backward, per row: the factors and ``a`` (``"factors"``, 3I), the
-  pre-activations (``"preact"``, 2I) or nothing (``"recompute"``);
+  SwiGLU in its epilogue, reading x's rows by index (no gathered copy of x), then the routing
+  weights on ``a`` and every expert's down projection as one grouped GEMM. Saved for the backward,
+  per row: the factors and ``a`` (``"factors"``, 3I), the pre-activations (``"preact"``, 2I) or
+  nothing (``"recompute"``);
 * backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
   ``a`` again where it was not saved (by the forward kernel, with ``"recompute"``), then one kernel
   (kernels/glu_backward.py, routed) for the down projections' input gradient with, in its epilogue,
   the routing weights' gradient, ``a * w`` for dW_down and the SwiGLU gradient over what was saved,
   and dW_down as a grouped GEMM; then the packed dW and dX's rows as grouped GEMMs, x's rows gathered
-  again for dW and freed before dX's rows are made (the backward ops take x and each row's token,
-  not x's rows);
+  for dW and freed before dX's rows are made (the ops take x and each row's token, not x's rows);
 * inference: the forward, nothing saved;
 * combine: each token's ``k`` rows summed into one (y's rows, dX's rows), in one pass
   (kernels/combine.py).
@@ -59,14 +59,17 @@ def _grouped_gemm_hardware(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save: str, fused: bool):
-    """``a`` [P, I] and what the backward reads of the gate/up half: the factors (fused ``"factors"``,
-    [P, 2I]), the pre-activations (``"preact"``, and ``"factors"`` in PyTorch) or ``None``."""
+def _gate_up(x, token_of_row, gate_up_weight, tiles, used_tiles, ends, save: str, fused: bool):
+    """``a`` [P, I] and what the backward reads of the gate/up half for the rows ``x[token_of_row]``:
+    the factors (fused ``"factors"``, [P, 2I]), the pre-activations (``"preact"``, and ``"factors"``
+    in PyTorch) or ``None``. The fused kernel reads x's rows by index; PyTorch gathers them."""
     if fused:
         experts = (tiles, used_tiles, gate_up_weight.shape[0])
         multipliers = {"gate_multiplier": 1.0, "down_multiplier": 1.0}  # experts carry none
-        return glu_forward(x_rows, gate_up_weight, save=Saved.of(save), experts=experts, **multipliers)
-    packed = _grouped_mm(x_rows, gate_up_weight.transpose(1, 2), ends)
+        return glu_forward(
+            x, gate_up_weight, save=Saved.of(save), experts=experts, row_index=token_of_row, **multipliers
+        )
+    packed = _grouped_mm(x[token_of_row], gate_up_weight.transpose(1, 2), ends)
     up, gate = split_packed_columns(packed)
     return torch.nn.functional.silu(gate) * up, packed if save != "recompute" else None
 
@@ -82,33 +85,36 @@ def _swiglu_grad_(da, preact):
     return preact
 
 
-def _prepared(x_rows, gate_up_weight, down_weight):
+def _prepared(x, gate_up_weight, down_weight):
     """The op's inputs as the kernels take them, and whether the fused kernels run for them."""
-    x_rows, gate_up_weight = tma_ready(x_rows), gate_up_weight.contiguous()
-    fused = fused_path_available(x_rows, gate_up_weight[0])
-    return x_rows, gate_up_weight, down_weight.contiguous(), fused
+    x, gate_up_weight = tma_ready(x), gate_up_weight.contiguous()
+    fused = fused_path_available(x, gate_up_weight[0])
+    return x, gate_up_weight, down_weight.contiguous(), fused
 
 
 @_on_tensor_device
-def _experts_forward(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
-    """y_rows [P, H] (each row's expert's MLP, times its routing weight), the saved gate/up tensor
-    [P, 2I] and ``a`` [P, I] (each empty where ``save`` keeps none)."""
-    x_rows, gate_up_weight, down_weight, fused = _prepared(x_rows, gate_up_weight, down_weight)
-    a, saved = _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, save, fused)
+def _experts_forward(x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
+    """y_rows [P, H] (each row's expert's MLP, times its routing weight; row p is token
+    ``token_of_row[p]``'s), the saved gate/up tensor [P, 2I] and ``a`` [P, I] (each empty where
+    ``save`` keeps none)."""
+    x, gate_up_weight, down_weight, fused = _prepared(x, gate_up_weight, down_weight)
+    a, saved = _gate_up(x, token_of_row, gate_up_weight, tiles, used_tiles, ends, save, fused)
     y_rows = _grouped_mm(a * w_rows[:, None], down_weight.transpose(1, 2), ends)
-    return y_rows, _empty_if_none(saved, x_rows), a if save == "factors" else x_rows.new_empty(0)
+    return y_rows, _empty_if_none(saved, x), a if save == "factors" else x.new_empty(0)
 
 
-def _experts_forward_fake(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
-    rows, two_inter = x_rows.shape[0], gate_up_weight.shape[1]
-    saved = x_rows.new_empty(rows, two_inter) if save != "recompute" else x_rows.new_empty(0)
-    a = x_rows.new_empty(rows, two_inter // 2) if save == "factors" else x_rows.new_empty(0)
-    return x_rows.new_empty(x_rows.shape), saved, a
+def _experts_forward_fake(
+    x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save
+):
+    rows, two_inter = token_of_row.shape[0], gate_up_weight.shape[1]
+    saved = x.new_empty(rows, two_inter) if save != "recompute" else x.new_empty(0)
+    a = x.new_empty(rows, two_inter // 2) if save == "factors" else x.new_empty(0)
+    return x.new_empty(rows, x.shape[1]), saved, a
 
 
 experts_forward = define(
-    "experts_forward(Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, Tensor down_weight, "
-    "Tensor tiles, Tensor used_tiles, Tensor ends, str save) -> (Tensor, Tensor, Tensor)",
+    "experts_forward(Tensor x, Tensor token_of_row, Tensor w_rows, Tensor gate_up_weight, "
+    "Tensor down_weight, Tensor tiles, Tensor used_tiles, Tensor ends, str save) -> (Tensor, Tensor, Tensor)",
     _experts_forward,
     _experts_forward_fake,
 )
@@ -135,13 +141,13 @@ def _experts_backward_down(
     [P] (fp32 or wider), dW_down [E, H, I] (each empty where not needed), and [dU | dG] [P, 2I]
     over ``saved`` (overwritten; then the third output is empty) or, with ``"recompute"``, as the
     third output. ``a`` is not read after this op, nor ``dy_rows``: the gate/up op runs without them.
-    Row p is token ``token_of_row[p]``'s; x's rows are gathered only to recompute the forward."""
+    Row p is token ``token_of_row[p]``'s."""
     gate_up_weight, down_weight = gate_up_weight.contiguous(), down_weight.contiguous()
     fused = fused_path_available(x, gate_up_weight[0])  # as for the forward's x rows: same dtype and width
     if save == "recompute":
-        x_rows = tma_ready(x[token_of_row])
-        a, saved = _gate_up(x_rows, gate_up_weight, tiles, used_tiles, ends, "factors", fused)
-        del x_rows
+        a, saved = _gate_up(
+            tma_ready(x), token_of_row, gate_up_weight, tiles, used_tiles, ends, "factors", fused
+        )
     else:
         _overwrite_once(saved)
         if save == "factors":
@@ -247,20 +253,20 @@ experts_backward_gate_up = define(
 )
 
 
-def _experts_inference(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
+def _experts_inference(x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
     y_rows, _, _ = _experts_forward(
-        x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, "recompute"
+        x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, "recompute"
     )
     return y_rows
 
 
-def _experts_inference_fake(x_rows, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
-    return x_rows.new_empty(x_rows.shape)
+def _experts_inference_fake(x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
+    return x.new_empty(token_of_row.shape[0], x.shape[1])
 
 
 experts_inference = define(
-    "experts_inference(Tensor x_rows, Tensor w_rows, Tensor gate_up_weight, Tensor down_weight, "
-    "Tensor tiles, Tensor used_tiles, Tensor ends) -> Tensor",
+    "experts_inference(Tensor x, Tensor token_of_row, Tensor w_rows, Tensor gate_up_weight, "
+    "Tensor down_weight, Tensor tiles, Tensor used_tiles, Tensor ends) -> Tensor",
     _experts_inference,
     _experts_inference_fake,
 )

@@ -56,13 +56,25 @@ def _descriptor_type(block: list[int], dtype: torch.dtype) -> str:
     )[0]
 
 
-def _compile(fn, descriptors: dict, scalars: dict, constants: dict, cfg: TileConfig, target: GPUTarget):
+def _compile(
+    fn,
+    descriptors: dict,
+    scalars: dict,
+    constants: dict,
+    cfg: TileConfig,
+    target: GPUTarget,
+    divisible: tuple[str, ...] = (),
+):
+    """``divisible``: integer arguments that Triton specializes as multiples of 16 at the library's
+    shapes (pointers always are: the library's tensors are 16-byte aligned)."""
     meta = cfg.kernel_meta()
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     constants = {**constants, **meta}
     signature = {**descriptors, **scalars, **dict.fromkeys(constants, "constexpr")}
     signature = {name: signature[name] for name in fn.arg_names}
-    return triton.compile(ASTSource(fn, signature, constants), target=target, options=options)
+    aligned = [i for i, n in enumerate(fn.arg_names) if signature[n].startswith("*") or n in divisible]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
 
 
 def forward_kernel(
@@ -77,7 +89,7 @@ def forward_kernel(
     experts: bool = False,
 ):
     """The Triton forward as the library launches it; ``experts``: with the routed experts' tile
-    table and the pointers of its masked stores."""
+    table, x read by index and the pointers of its masked stores."""
     cfg = cfg or forward_config(m, hidden, inter, dtype, True, save, precision, experts)
     width = cfg.block_n // cfg.epilogue_split
     descriptors = {
@@ -93,14 +105,21 @@ def forward_kernel(
         descriptors["s_desc"] = _descriptor_type([cfg.block_m, 2 * width], dtype)
     scalars = {"M": "i32", "N": "i32", "K": "i32", "gate_multiplier": "fp32", "down_multiplier": "fp32"}
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    routed = {"t_ptr": "*i32", "used_ptr": "*i32", "a_ptr": pointer}
+    scalars["stride_x"] = "i32"
+    routed = {"t_ptr": "*i32", "used_ptr": "*i32", "a_ptr": pointer, "x_ptr": pointer, "r_ptr": "*i32"}
     routed["s_ptr"] = pointer if save != Saved.NOTHING else None
     for name, kind in routed.items():
         if experts and kind is not None:
             scalars[name] = kind
         else:
             constants[name] = None
-    return cfg, _compile(_glu_forward_kernel, descriptors, scalars, constants, cfg, target)
+    if experts:
+        del descriptors["x_desc"]
+        constants["x_desc"] = None  # x read by index
+    compiled = _compile(
+        _glu_forward_kernel, descriptors, scalars, constants, cfg, target, ("stride_x", "N", "K")
+    )
+    return cfg, compiled
 
 
 def backward_kernel(

@@ -13,8 +13,10 @@ accumulator in registers and writes
 With a low-rank term (LoRA adapters on gate and up), one more ``tl.dot`` per tile adds
 ``u @ v^T`` (``u`` [M, R], ``v`` [2I, R] packed like the weight) to the accumulator before the epilogue.
 
-Routed experts (a tile table given, routing.py): x holds the rows of every expert, grouped by expert
-with no padding, and the weight holds every expert's packed rows one after another ([E * 2I, H]).
+Routed experts (a tile table given, routing.py): the rows of every expert, grouped by expert with no
+padding, are either x's rows or, with a row index, x's rows read by index (each grouped row the
+index's row of x: no gathered copy of x is made); the weight holds every expert's packed rows one
+after another ([E * 2I, H]).
 Entry ``t`` of the table is a tile of up to ``EXPERT_ROWS`` rows of one expert: (expert, first row,
 end row of its group); only the first ``used_tiles[0]`` entries are run. A tile that reaches past its
 group's end is stored with masks, row by row up to the end, since a TMA store clips only at the
@@ -83,7 +85,10 @@ def _forward_epilogue(
 
 @triton.jit
 def _glu_forward_kernel(
-    x_desc,  # [M, K]
+    x_desc,  # [M, K], or None (x read by index)
+    x_ptr,  # [T, K] read by index, or None
+    r_ptr,  # [M] int32 x's row of each row (with x_ptr)
+    stride_x,  # x's row stride (with x_ptr)
     w_desc,  # [2N, K] packed
     a_desc,  # [M, N], or None
     s_desc,  # [M, 2N] packed, or None
@@ -110,6 +115,7 @@ def _glu_forward_kernel(
     ROWS: tl.constexpr,  # rows per table tile, a multiple of BM (with t_ptr)
 ):
     SUB: tl.constexpr = ROWS // BM  # kernel tiles per table tile
+    rows = M  # the rows there are, before M becomes the rows the table's tiles cover
     if t_ptr is not None:
         M = tl.load(used_ptr) * ROWS  # the table's tiles in use: their kernel tiles run, no others
     num_m = tl.cdiv(M, BM)
@@ -127,8 +133,17 @@ def _glu_forward_kernel(
             o_m = tl.load(entry + 1) + (i_m % SUB) * BM
             end = tl.load(entry + 2)
         b_acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        if x_ptr is not None:
+            offs_m = o_m + tl.arange(0, BM)
+            # Rows past the last read row 0 (no result uses them), as a TMA load past the edge reads zeros.
+            b_rows = tl.load(r_ptr + offs_m, mask=offs_m < rows, other=0).to(tl.int64)
+            x_rows = x_ptr + b_rows[:, None] * stride_x
         for i_k in range(num_k):
-            b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
+            if x_ptr is not None:
+                offs_k = i_k * BK + tl.arange(0, BK)
+                b_x = tl.load(x_rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+            else:
+                b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
             b_w = w_desc.load([o_w, i_k * BK])  # [2BN, BK]
             b_acc = tl.dot(b_x, b_w.T, b_acc, input_precision=DOT_PRECISION)
         if u_desc is not None:
@@ -280,12 +295,14 @@ def glu_forward(
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TileConfig | None = None,
     experts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable, as
     must ``low_rank`` = (u [M, R], v [2I, R]) if given (R a multiple of 16): ``u @ v^T`` is added to
     the pre-activation. With ``experts`` = (tiles, used_tiles, E) (routing.py), ``w_packed`` is
     [E, 2I, H] (contiguous) and rows are routed as the module docstring says (the tile's rows must
-    divide ``EXPERT_ROWS``).
+    divide ``EXPERT_ROWS``). With ``experts``, ``row_index`` [M] (int32) may give x's row of each
+    grouped row: x is then [T, H] with unit last stride, read by index.
 
     Returns ``a`` [M, I] (scaled by ``down_multiplier``; ``None`` with ``write_a=False``, for a backward that
     only needs the factors) and the saved packed [M, 2I] tensor (or ``None``).
@@ -293,6 +310,10 @@ def glu_forward(
     if not write_a and save == Saved.NOTHING:
         raise ValueError("the forward kernel must write a, the saved tensor, or both")
     m, hidden = x.shape
+    if row_index is not None:
+        if experts is None or row_index.dtype != torch.int32 or x.stride(1) != 1:
+            raise ValueError("a row index needs a tile table, int32 indices and x with unit last stride")
+        m = row_index.shape[0]
     if experts is not None:
         w_packed = w_packed.flatten(0, 1)  # [E, 2I, H] -> [E * 2I, H]: each expert's rows in turn
     inter = w_packed.shape[0] // 2 if experts is None else w_packed.shape[0] // (2 * experts[2])
@@ -316,7 +337,10 @@ def glu_forward(
     num_tiles = row_tiles * cdiv(inter, cfg.block_n)
     _launch_forward(
         (persistent_programs(num_tiles, x.device, cfg.ctas_per_sm),),
-        Tma(x, (cfg.block_m, cfg.block_k)),
+        Tma(x, (cfg.block_m, cfg.block_k)) if row_index is None else None,
+        None if row_index is None else x,
+        row_index,
+        x.stride(0),
         Tma(w_packed, (2 * cfg.block_n, cfg.block_k)),
         None if a is None else Tma(a, (cfg.block_m, width)),
         None if saved is None else Tma(saved, (cfg.block_m, 2 * width)),
