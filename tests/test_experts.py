@@ -72,15 +72,29 @@ def test_experts_match_float64_reference(device, case, save):
         assert relative_error(got[name], oracle[name]) < 1e-5, name
 
 
+@pytest.mark.parametrize("by_index", [True, False], ids=["rows-by-index", "rows-gathered"])
 @pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
-def test_experts_half_precision_within_twice_eager_error(device, save):
+def test_experts_half_precision_within_twice_eager_error(device, save, by_index, monkeypatch):
+    """Both ways the gate/up kernel takes x's rows (kernels/configs.py chooses by the experts' width)."""
+    from fused_swiglu import experts_ops
+
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # bf16 tl.dot is wrong on CPU
     args = problem(96, 64, 48, 8, 2, device, skew=True)
+    monkeypatch.setattr(experts_ops, "expert_rows_by_index", lambda inter: by_index)
+    launches = []
+
+    def spy(*a, **kw):
+        launches.append("row_index" in kw)
+        return glu_forward(*a, **kw)
+
+    glu_forward = experts_ops.glu_forward
+    monkeypatch.setattr(experts_ops, "glu_forward", spy)
 
     def fused(*a):
         return swiglu_experts(*a, save=save)
 
     got = step(fused, *args, dtype)
+    assert launches and set(launches) == {by_index}
     eager = step(reference_swiglu_experts, *args, dtype)
     oracle = step(reference_swiglu_experts, *args, torch.float64)
     rows = accuracy_rows(got, eager, oracle, dtype)

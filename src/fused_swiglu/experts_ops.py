@@ -2,10 +2,10 @@
 grouped by expert, one row per routed slot (routing.py), each row given by its token:
 
 * forward: every expert's gate/up GEMM as the forward kernel with a table of row tiles and the
-  SwiGLU in its epilogue, reading x's rows by index (no gathered copy of x), then the routing
-  weights on ``a`` and every expert's down projection as one grouped GEMM. Saved for the backward,
-  per row: the factors and ``a`` (``"factors"``, 3I), the pre-activations (``"preact"``, 2I) or
-  nothing (``"recompute"``);
+  SwiGLU in its epilogue, reading x's rows by index for narrow experts (no gathered copy of x),
+  then the routing weights on ``a`` and every expert's down projection as one grouped GEMM. Saved
+  for the backward, per row: the factors and ``a`` (``"factors"``, 3I), the pre-activations
+  (``"preact"``, 2I) or nothing (``"recompute"``);
 * backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
   ``a`` again where it was not saved (by the forward kernel, with ``"recompute"``), then one kernel
   (kernels/glu_backward.py, routed) for the down projections' input gradient with, in its epilogue,
@@ -30,6 +30,7 @@ import torch
 
 from .kernels.combine import combine
 from .kernels.common import Saved, tma_ready
+from .kernels.configs import expert_rows_by_index
 from .kernels.glu_backward import routed_glu_backward_
 from .kernels.glu_forward import glu_forward
 from .layout import CHUNK, split_packed_columns
@@ -62,13 +63,16 @@ def _grouped_gemm_hardware(index: int | None) -> bool:
 def _gate_up(x, token_of_row, gate_up_weight, tiles, used_tiles, ends, save: str, fused: bool):
     """``a`` [P, I] and what the backward reads of the gate/up half for the rows ``x[token_of_row]``:
     the factors (fused ``"factors"``, [P, 2I]), the pre-activations (``"preact"``, and ``"factors"``
-    in PyTorch) or ``None``. The fused kernel reads x's rows by index; PyTorch gathers them."""
+    in PyTorch) or ``None``. The fused kernel reads x's rows by index where that is faster
+    (kernels/configs.py); else they are gathered first."""
     if fused:
         experts = (tiles, used_tiles, gate_up_weight.shape[0])
         multipliers = {"gate_multiplier": 1.0, "down_multiplier": 1.0}  # experts carry none
-        return glu_forward(
-            x, gate_up_weight, save=Saved.of(save), experts=experts, row_index=token_of_row, **multipliers
-        )
+        if expert_rows_by_index(gate_up_weight.shape[1] // 2):
+            rows = {"row_index": token_of_row}
+        else:
+            x, rows = tma_ready(x[token_of_row]), {}
+        return glu_forward(x, gate_up_weight, save=Saved.of(save), experts=experts, **rows, **multipliers)
     packed = _grouped_mm(x[token_of_row], gate_up_weight.transpose(1, 2), ends)
     up, gate = split_packed_columns(packed)
     return torch.nn.functional.silu(gate) * up, packed if save != "recompute" else None

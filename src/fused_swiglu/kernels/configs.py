@@ -155,6 +155,17 @@ INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, n
 EXPERT_ROWS = 128 if not interpreting() else INTERPRETER_CONFIG.block_m
 
 
+#: Routed experts with at most this many intermediate columns: the gate/up kernel reads x's rows by
+#: index; wider ones gather x's rows first and read them through TMA. The gather is one pass over
+#: [slots, H]; the indexed loads cost a little in every column tile, so narrow experts gain and wide
+#: ones lose (measured at 768, 1024 and 14336 columns, docs/design/experts.md).
+EXPERT_ROWS_BY_INDEX_MAX_INTER = 2048
+
+
+def expert_rows_by_index(inter: int) -> bool:
+    return inter <= EXPERT_ROWS_BY_INDEX_MAX_INTER
+
+
 @functools.lru_cache(maxsize=256)
 def forward_config(
     m: int,
