@@ -137,11 +137,11 @@ def _glu_forward_kernel(
             offs_m = o_m + tl.arange(0, BM)
             # Rows past the last read row 0 (no result uses them), as a TMA load past the edge reads zeros.
             b_rows = tl.load(r_ptr + offs_m, mask=offs_m < rows, other=0).to(tl.int64)
-            x_rows = x_ptr + b_rows[:, None] * stride_x
+            x_row_ptrs = x_ptr + b_rows[:, None] * stride_x  # [BM, 1]
         for i_k in range(num_k):
             if x_ptr is not None:
                 offs_k = i_k * BK + tl.arange(0, BK)
-                b_x = tl.load(x_rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+                b_x = tl.load(x_row_ptrs + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
             else:
                 b_x = x_desc.load([o_m, i_k * BK])  # [BM, BK]
             b_w = w_desc.load([o_w, i_k * BK])  # [2BN, BK]
