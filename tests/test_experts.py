@@ -619,13 +619,15 @@ def test_routed_backward_refuses_factors_without_a(device):
         routed_glu_backward_(*args, save=Saved.FACTORS, need_row_grad=True, write_scaled_a=True)
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize(
     "size", [(1, 8, 1), (37, 24, 2), (19, 300, 8)], ids=lambda s: "T{}-H{}-k{}".format(*s)
 )
-def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype):
-    """The combine of y's and dX's rows: each token's k rows summed in fp32 and rounded once, as
-    accurate as eager PyTorch's gather-then-sum against float64; every output written."""
+def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype, weighted):
+    """The combine of y's rows (each times its slot's weight) and dX's rows: each token's k rows
+    summed in fp32 and rounded once, as accurate as eager PyTorch's gather-scale-sum against
+    float64; every output written."""
     from fused_swiglu.kernels.combine import combine
 
     tokens, hidden, k = size
@@ -633,21 +635,33 @@ def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype):
     g = torch.Generator().manual_seed(tokens)
     src = torch.randn(tokens * k + 3, hidden, generator=g).to(device=device, dtype=dtype)  # 3 rows unread
     rows = torch.randperm(tokens * k + 3, generator=g)[: tokens * k].to(device=device, dtype=index_dtype)
-    got = combine(src, rows, k)
+    weights = torch.rand(tokens * k, generator=g).to(device=device, dtype=dtype) if weighted else None
+    got = combine(src, rows, k, weights)
     assert got.dtype == dtype and got.shape == (tokens, hidden)
-    want = src.double()[rows].view(tokens, k, hidden).sum(1)
-    eager = src[rows].view(tokens, k, hidden).sum(1)
+    scale = weights[:, None] if weighted else torch.ones((), device=device, dtype=dtype)
+    want = (src.double()[rows] * scale.double()).view(tokens, k, hidden).sum(1)
+    eager = (src[rows] * scale).view(tokens, k, hidden).sum(1)
     assert relative_error(got, want) <= 2 * relative_error(eager, want) + 1e-7  # NaN fails
 
 
+def test_combine_refuses_weights_of_another_shape(device):
+    from fused_swiglu.kernels.combine import combine
+
+    src, rows = torch.zeros(6, 8, device=device), torch.arange(6, device=device)
+    with pytest.raises(ValueError, match="weights"):
+        combine(src, rows, 2, torch.ones(3, device=device))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_combine_op_passes_opcheck(device, k):
+def test_combine_op_passes_opcheck(device, k, weighted):
     """Schema (no input changed), fake implementation and AOT dispatch of the combine op."""
     from fused_swiglu.experts_ops import experts_combine
 
     src = torch.randn(2 * 11 + 1, 24, device=device)
     rows = torch.randperm(2 * 11 + 1, device=device)[: 11 * k]
-    results = torch.library.opcheck(experts_combine, (src, rows, k))
+    weights = torch.rand(11 * k, device=device) if weighted else None
+    results = torch.library.opcheck(experts_combine, (src, rows, k, weights))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
@@ -664,13 +678,13 @@ def test_ops_fake_implementations_match(device, save):
     table = (routes.tiles, routes.used_tiles, routes.ends)
     token_of_row = (routes.sources // 2).int()
     w_rows = weights.reshape(-1)[routes.sources]
-    y_rows, saved, a = experts_forward(x, token_of_row, w_rows, gate_up, down, *table, save)
+    y_rows, saved, a = experts_forward(x, token_of_row, gate_up, down, *table, save)
     down_args = (dy[token_of_row], x, token_of_row, w_rows, gate_up, down, saved, a, *table, save, True, True)
     real_down = experts_backward_down(*down_args)
     grad = real_down[2] if save == "recompute" else saved
     gate_up_args = (grad, x, token_of_row, gate_up, routes.ends, real_down[0], True, True)
     real_gate_up = experts_backward_gate_up(*gate_up_args)
-    calls = [(experts_forward, (x, token_of_row, w_rows, gate_up, down, *table, save), (y_rows, saved, a))]
+    calls = [(experts_forward, (x, token_of_row, gate_up, down, *table, save), (y_rows, saved, a))]
     calls += [
         (experts_backward_down, down_args, real_down),
         (experts_backward_gate_up, gate_up_args, real_gate_up),

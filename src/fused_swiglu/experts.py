@@ -4,11 +4,12 @@
 
 Each token's slots are grouped by expert (routing.py); the gate/up projections of every expert run as
 one fused kernel with the SwiGLU in its epilogue (experts_ops.py), the down projections as one grouped
-GEMM; the routing weights scale ``a`` on its way into the down GEMM, and their gradient is the row sum
-of ``a`` times its gradient. What is saved per routed slot between forward and backward, as for the
-dense MLP: the factors and ``a`` (3I, ``save="factors"``), the pre-activations (2I, ``"preact"``) or
-nothing (``"recompute"``, which reruns the gate/up kernel in the backward); x's rows are gathered
-again in the backward rather than kept.
+GEMM; the routing weights scale the down projections' rows as each token's rows are summed (the
+combine), and their gradient is the row sum of ``a`` times its gradient. What is saved per routed
+slot between forward and backward, as for the dense MLP: the factors and ``a`` (3I,
+``save="factors"``), the pre-activations (2I, ``"preact"``) or nothing (``"recompute"``, which
+reruns the gate/up kernel in the backward); x's rows are gathered again in the backward rather
+than kept.
 
 Weights: ``gate_up_weight`` [E, 2I, H], each expert's rows packed as the dense MLP's (layout.py), and
 ``down_weight`` [E, H, I]. ``SwiGLUExperts`` holds them and reads and writes the checkpoint layout of
@@ -51,10 +52,10 @@ class RoutedExpertsFunction(torch.autograd.Function):
         token_of_row, w_rows = (sources // k).int(), slot_weights[sources]
         weights = (gate_up_weight, down_weight)
         table = (tiles, used_tiles, ends)
-        y_rows, saved, a = experts_forward(x, token_of_row, w_rows, *weights, *table, save)
+        y_rows, saved, a = experts_forward(x, token_of_row, *weights, *table, save)
         ctx.save_for_backward(x, w_rows, *weights, rows, token_of_row, *table, saved, a)
         ctx.k, ctx.save, ctx.weights_dtype = k, save, slot_weights.dtype
-        return experts_combine(y_rows, rows, k)
+        return experts_combine(y_rows, rows, k, slot_weights)
 
     @staticmethod
     def backward(ctx, dy):
@@ -85,7 +86,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
             grad, x, token_of_row, gate_up_weight, ends, dw_rows, need_dx, need_dgate_up
         )
         del grad
-        dx = experts_combine(dx_rows, rows, ctx.k) if need_dx else None
+        dx = experts_combine(dx_rows, rows, ctx.k, None) if need_dx else None
         dw = dw_rows[rows].to(ctx.weights_dtype) if need_dw else None  # back to slot order
         return dx, dw, (dgate_up if need_dgate_up else None), (ddown if need_ddown else None), *(None,) * 7
 
@@ -169,10 +170,8 @@ def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: st
     if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
         return RoutedExpertsFunction.apply(*leaves, routes.rows, routes.sources, *table, k, save)
     token_of_row = (routes.sources // k).int()
-    y_rows = experts_inference(
-        x, token_of_row, slot_weights[routes.sources], gate_up_weight, down_weight, *table
-    )
-    return experts_combine(y_rows, routes.rows, k)
+    y_rows = experts_inference(x, token_of_row, gate_up_weight, down_weight, *table)
+    return experts_combine(y_rows, routes.rows, k, slot_weights)
 
 
 def reference_swiglu_experts(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> torch.Tensor:

@@ -3,7 +3,8 @@ grouped by expert, one row per routed slot (routing.py), each row given by its t
 
 * forward: every expert's gate/up GEMM as the forward kernel with a table of row tiles and the
   SwiGLU in its epilogue, reading x's rows by index for narrow experts (no gathered copy of x),
-  then the routing weights on ``a`` and every expert's down projection as one grouped GEMM. Saved
+  then every expert's down projection as one grouped GEMM (the routing weights scale its rows in
+  the combine). Saved
   for the backward, per row: the factors and ``a`` (``"factors"``, 3I), the pre-activations
   (``"preact"``, 2I) or nothing (``"recompute"``);
 * backward, in two ops so that ``a`` and dy's rows are freed before the largest gradient is made:
@@ -13,8 +14,8 @@ grouped by expert, one row per routed slot (routing.py), each row given by its t
   and dW_down as a grouped GEMM; then the packed dW and dX's rows as grouped GEMMs, x's rows gathered
   for dW and freed before dX's rows are made (the ops take x and each row's token, not x's rows);
 * inference: the forward, nothing saved;
-* combine: each token's ``k`` rows summed into one (y's rows, dX's rows), in one pass
-  (kernels/combine.py).
+* combine: each token's ``k`` rows summed into one (y's rows, each times its routing weight; dX's
+  rows), in one pass (kernels/combine.py).
 
 Where the fused kernels do not run (support.py: bf16 on CPU, other GPUs, float64, unaligned rows),
 the same ops compute the SwiGLU and its gradient in PyTorch beside the grouped GEMMs, and keep the
@@ -97,19 +98,17 @@ def _prepared(x, gate_up_weight, down_weight):
 
 
 @_on_tensor_device
-def _experts_forward(x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
-    """y_rows [P, H] (each row's expert's MLP, times its routing weight; row p is token
+def _experts_forward(x, token_of_row, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
+    """y_rows [P, H] (each row's expert's MLP, before its routing weight; row p is token
     ``token_of_row[p]``'s), the saved gate/up tensor [P, 2I] and ``a`` [P, I] (each empty where
     ``save`` keeps none)."""
     x, gate_up_weight, down_weight, fused = _prepared(x, gate_up_weight, down_weight)
     a, saved = _gate_up(x, token_of_row, gate_up_weight, tiles, used_tiles, ends, save, fused)
-    y_rows = _grouped_mm(a * w_rows[:, None], down_weight.transpose(1, 2), ends)
+    y_rows = _grouped_mm(a, down_weight.transpose(1, 2), ends)
     return y_rows, _empty_if_none(saved, x), a if save == "factors" else x.new_empty(0)
 
 
-def _experts_forward_fake(
-    x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, save
-):
+def _experts_forward_fake(x, token_of_row, gate_up_weight, down_weight, tiles, used_tiles, ends, save):
     rows, two_inter = token_of_row.shape[0], gate_up_weight.shape[1]
     saved = x.new_empty(rows, two_inter) if save != "recompute" else x.new_empty(0)
     a = x.new_empty(rows, two_inter // 2) if save == "factors" else x.new_empty(0)
@@ -117,7 +116,7 @@ def _experts_forward_fake(
 
 
 experts_forward = define(
-    "experts_forward(Tensor x, Tensor token_of_row, Tensor w_rows, Tensor gate_up_weight, "
+    "experts_forward(Tensor x, Tensor token_of_row, Tensor gate_up_weight, "
     "Tensor down_weight, Tensor tiles, Tensor used_tiles, Tensor ends, str save) -> (Tensor, Tensor, Tensor)",
     _experts_forward,
     _experts_forward_fake,
@@ -257,40 +256,43 @@ experts_backward_gate_up = define(
 )
 
 
-def _experts_inference(x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
+def _experts_inference(x, token_of_row, gate_up_weight, down_weight, tiles, used_tiles, ends):
     y_rows, _, _ = _experts_forward(
-        x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends, "recompute"
+        x, token_of_row, gate_up_weight, down_weight, tiles, used_tiles, ends, "recompute"
     )
     return y_rows
 
 
-def _experts_inference_fake(x, token_of_row, w_rows, gate_up_weight, down_weight, tiles, used_tiles, ends):
+def _experts_inference_fake(x, token_of_row, gate_up_weight, down_weight, tiles, used_tiles, ends):
     return x.new_empty(token_of_row.shape[0], x.shape[1])
 
 
 experts_inference = define(
-    "experts_inference(Tensor x, Tensor token_of_row, Tensor w_rows, Tensor gate_up_weight, "
+    "experts_inference(Tensor x, Tensor token_of_row, Tensor gate_up_weight, "
     "Tensor down_weight, Tensor tiles, Tensor used_tiles, Tensor ends) -> Tensor",
     _experts_inference,
     _experts_inference_fake,
 )
 
 
-def _experts_combine(rows_tensor, rows, k):
-    """[P, H] grouped rows -> [T, H]: each token's ``k`` rows (``rows`` holds the row of each slot)
-    summed, gathered rather than added with atomics."""
+def _experts_combine(rows_tensor, rows, k, weights):
+    """[P, H] grouped rows -> [T, H]: each token's ``k`` rows (``rows`` holds the row of each slot),
+    each times its slot's weight where ``weights`` [T * k] is given, summed in fp32; gathered rather
+    than added with atomics."""
     if kernels_run_on(rows_tensor.dtype, rows_tensor.device):
-        return combine(rows_tensor.contiguous(), rows, k)
-    picked = rows_tensor[rows]
-    return picked.view(-1, k, rows_tensor.shape[1]).sum(1) if k > 1 else picked
+        return combine(rows_tensor.contiguous(), rows, k, None if weights is None else weights.contiguous())
+    picked = rows_tensor[rows].to(torch.promote_types(rows_tensor.dtype, torch.float32))
+    if weights is not None:
+        picked *= weights[:, None]
+    return picked.view(-1, k, rows_tensor.shape[1]).sum(1).to(rows_tensor.dtype)
 
 
-def _experts_combine_fake(rows_tensor, rows, k):
+def _experts_combine_fake(rows_tensor, rows, k, weights):
     return rows_tensor.new_empty(rows.shape[0] // k, rows_tensor.shape[1])
 
 
 experts_combine = define(
-    "experts_combine(Tensor rows_tensor, Tensor rows, int k) -> Tensor",
+    "experts_combine(Tensor rows_tensor, Tensor rows, int k, Tensor? weights) -> Tensor",
     _experts_combine,
     _experts_combine_fake,
 )

@@ -41,7 +41,9 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     experts = top_k_index.reshape(-1).long()
     slots = experts.numel()
     device = experts.device
-    order = torch.argsort(experts, stable=True)  # the slot of each row
+    # The slot of each row; the narrowest key that holds every expert id (a radix sort's passes).
+    key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+    order = torch.argsort(experts.to(key), stable=True)
     rows = order.new_empty(order.shape).scatter_(0, order, torch.arange(slots, device=device))
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, experts, torch.ones_like(experts))

@@ -331,20 +331,20 @@ def main(argv: list[str] | None = None) -> int:
         if not _report(label, _tile(cfg), resources(kernel), "tf32", *limits):
             failed.append(label)
     limit = SHARED_LIMIT[args.arch]
-    # The routed experts' combine of each token's rows, at every top-k the tests take.
-    for top_k in (1, 2, 8):
-        signature = {"src_ptr": "*bf16", "rows_ptr": "*i32", "out_ptr": "*bf16"}
+    # The routed experts' combine of each token's rows (weighted: y's; not: dX's), at every top-k
+    # the tests take.
+    for top_k, weighted in itertools.product((1, 2, 8), (True, False)):
+        signature = {"src_ptr": "*bf16", "rows_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*bf16"}
         signature |= dict.fromkeys(("T", "H", "stride_src", "stride_out"), "i32")
-        signature |= dict.fromkeys(("K", "BT", "BH"), "constexpr")
+        signature |= dict.fromkeys(("K", "WEIGHTED", "BT", "BH"), "constexpr")
         signature = {name: signature[name] for name in _combine_kernel.arg_names}
-        constants = {"K": top_k, "BT": COMBINE_BLOCK[0], "BH": COMBINE_BLOCK[1]}
+        constants = {"K": top_k, "WEIGHTED": weighted, "BT": COMBINE_BLOCK[0], "BH": COMBINE_BLOCK[1]}
         source = ASTSource(_combine_kernel, signature, constants)
         kernel = triton.compile(source, target=target, options={"num_warps": COMBINE_WARPS})
         tile = "x".join(map(str, COMBINE_BLOCK))
-        if not _report(
-            f"bfloat16 combine top-{top_k} (routed experts)", tile, resources(kernel), "tf32", limit
-        ):
-            failed.append(f"combine top-{top_k}")
+        label = f"bfloat16 combine top-{top_k}{' weighted' if weighted else ''} (routed experts)"
+        if not _report(label, tile, resources(kernel), "tf32", limit):
+            failed.append(label)
     # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
     for name, save in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):
         m, hidden, inter = SHAPES[name]

@@ -1,5 +1,6 @@
 """Each token's routed rows summed into one row in one pass, accumulated in fp32: the routed experts'
-combine (of y's rows in the forward, of dX's rows in the backward).
+combine (of y's rows in the forward, each scaled by its routing weight, and of dX's rows in the
+backward).
 
 Without it the ``k`` rows of every token are first gathered into a [tokens * k, H] copy and then
 summed: one more tensor of the size of all the routed rows, and one more pass over it.
@@ -19,12 +20,14 @@ from .launch import KernelLauncher
 def _combine_kernel(
     src_ptr,
     rows_ptr,
+    w_ptr,
     out_ptr,
     T,
     H,
     stride_src,
     stride_out,
     K: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     BT: tl.constexpr,
     BH: tl.constexpr,
 ):
@@ -35,9 +38,12 @@ def _combine_kernel(
     b_acc = tl.zeros((BT, BH), dtype=tl.float32)
     for j in tl.static_range(K):  # in slot order, as a sum over the gathered rows adds them
         o_rows = tl.load(rows_ptr + o_tokens * K + j, mask=m_tokens, other=0).to(tl.int64)
-        b_acc += tl.load(src_ptr + o_rows[:, None] * stride_src + o_cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        b_row = tl.load(src_ptr + o_rows[:, None] * stride_src + o_cols[None, :], mask=mask, other=0.0)
+        if WEIGHTED:
+            b_w = tl.load(w_ptr + o_tokens * K + j, mask=m_tokens, other=0.0).to(tl.float32)
+            b_acc += b_row.to(tl.float32) * b_w[:, None]
+        else:
+            b_acc += b_row.to(tl.float32)
     tl.store(
         out_ptr + o_tokens[:, None] * stride_out + o_cols[None, :],
         b_acc.to(out_ptr.dtype.element_ty),
@@ -53,13 +59,20 @@ GPU_BLOCK = (8, 256)
 GPU_WARPS = 4
 
 
-def combine(src: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """``out[t] = sum(src[rows[t * k + j]] for j < k)``, summed in fp32, for ``src`` [P, H] with unit
-    column stride and ``rows`` [T * k] int32 or int64 row indices: [T, H] in ``src``'s dtype."""
+def combine(
+    src: torch.Tensor, rows: torch.Tensor, k: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = sum(weights[t * k + j] * src[rows[t * k + j]] for j < k)`` (without ``weights``, each
+    weight 1), summed in fp32, for ``src`` [P, H] with unit column stride, ``rows`` [T * k] int32 or
+    int64 row indices and ``weights`` [T * k] contiguous: [T, H] in ``src``'s dtype."""
     if src.dim() != 2 or src.stride(-1) != 1 or rows.dim() != 1 or k < 1 or rows.numel() % k:
         raise ValueError(
             f"expected a row-major [P, H] tensor and [T * k] rows with k >= 1, got {tuple(src.shape)}, "
             f"{tuple(rows.shape)} and k={k}"
+        )
+    if weights is not None and (weights.shape != rows.shape or weights.stride(0) != 1):
+        raise ValueError(
+            f"expected contiguous weights of the rows' shape {tuple(rows.shape)}, got {tuple(weights.shape)}"
         )
     tokens, hidden = rows.numel() // k, src.shape[1]
     out = torch.empty(tokens, hidden, dtype=src.dtype, device=src.device)
@@ -71,12 +84,14 @@ def combine(src: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
         grid,
         src,
         rows,
+        rows if weights is None else weights,  # not read without weights
         out,
         tokens,
         hidden,
         src.stride(0),
         out.stride(0),
         K=k,
+        WEIGHTED=weights is not None,
         BT=block_t,
         BH=block_h,
         num_warps=GPU_WARPS,
