@@ -5,13 +5,15 @@ Run on the GPU: ``python benchmarks/experts_step_profile.py [--shapes NAME ...] 
 routing), the steps of ``bench --experts`` (the floor's six grouped GEMMs, ``SwiGLUExperts`` in its
 save modes) run ``--steps`` times under ``torch.profiler`` after a warm-up; printed per step: each
 kernel's calls and GPU microseconds (largest first), the sum of kernel time and the step's wall
-time between its first and last kernel (their difference is time the GPU sat idle within a step).
+time between its first and last kernel (their difference is time the GPU sat idle within a step),
+and the longest idle stretches by the kernels on either side of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,8 +22,9 @@ from fused_swiglu.bench.experts import EXPERT_SHAPES, build_step, routing
 from fused_swiglu.bench.report import start_gpu_log
 
 
-def kernel_times(step, params, steps: int) -> tuple[list[tuple[str, float, float]], float, float]:
-    """(name, calls per step, us per step) largest first, kernel us per step, wall us per step."""
+def kernel_times(step, params, steps: int) -> tuple[list, list, float, float]:
+    """(name, calls per step, us per step) largest first; (kernel before, kernel after, idle us per
+    step) largest first; kernel us per step; wall us per step."""
     for _ in range(3):
         step()
         for p in params:
@@ -40,8 +43,13 @@ def kernel_times(step, params, steps: int) -> tuple[list[tuple[str, float, float
         calls[e.name] += 1
         us[e.name] += e.time_range.elapsed_us()
     rows = sorted(((n, calls[n] / steps, us[n] / steps) for n in us), key=lambda r: -r[2])
-    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
-    return rows, sum(us.values()) / steps, span / steps
+    idle = collections.Counter()
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    for before, after in itertools.pairwise(ordered):
+        idle[before.name, after.name] += max(0, after.time_range.start - before.time_range.end)
+    gaps = sorted(((b, a, t / steps) for (b, a), t in idle.items()), key=lambda r: -r[2])
+    span = ordered[-1].time_range.end - ordered[0].time_range.start
+    return rows, gaps, sum(us.values()) / steps, span / steps
 
 
 def main() -> None:
@@ -68,11 +76,14 @@ def main() -> None:
         dy = torch.randn(args.tokens, hidden, device="cuda", dtype=dtype, generator=g)
         for impl in ["floor", *args.impls]:
             step, _, params = build_step(impl, x, index, weights, gate_up, down, dy)
-            rows, busy, wall = kernel_times(step, params, args.steps)
+            rows, gaps, busy, wall = kernel_times(step, params, args.steps)
             print(f"\n{name} {impl}: kernels {busy:.0f} us per step, first to last kernel {wall:.0f} us")
             print(f"  {'us':>8s} {'calls':>6s}  kernel")
             for kernel, calls, us in rows:
                 print(f"  {us:8.1f} {calls:6.1f}  {kernel[:110]}")
+            print(f"  {'idle us':>8s}  between")
+            for before, after, us in gaps[:8]:
+                print(f"  {us:8.1f}  {before[:60]}  ->  {after[:60]}")
 
 
 if __name__ == "__main__":
