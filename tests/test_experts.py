@@ -126,6 +126,34 @@ def test_routes_cut_large_groups_into_tiles():
     assert routes.tiles.shape[0] == max_tiles(rows + 3, 3) >= 4
 
 
+@pytest.mark.parametrize(
+    "tokens, k, experts", [(37, 2, 4), (5, 8, 256), (64, 1, 3), (100, 4, 300), (1, 1, 1)], ids=str
+)
+def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
+    """The table from the sorted ids in one kernel equals the PyTorch construction entry for entry
+    (the unused entries too), with experts that receive nothing and ids wider than a byte."""
+    from fused_swiglu.kernels.route_table import route_table
+    from fused_swiglu.routing import _route_table_reference
+
+    g = torch.Generator().manual_seed(tokens)
+    index = torch.randint(0, experts, (tokens, k), generator=g)
+    index[index % 3 == 1] = 0  # every third expert id empty, expert 0 large
+    ids = torch.sort(index.reshape(-1).to(torch.int16 if experts > 256 else torch.uint8), stable=True)[0]
+    num_tiles = max_tiles(ids.numel(), experts)
+    want = _route_table_reference(ids, experts, num_tiles)
+    got = route_table(ids.to(device), experts, num_tiles, EXPERT_ROWS)
+    for name, g_, w in zip(("tiles", "used_tiles", "ends"), got, want, strict=True):
+        assert g_.dtype == torch.int32 and torch.equal(g_.cpu(), w), name
+
+
+def test_route_table_op_passes_opcheck(device):
+    from fused_swiglu.routing import route_table
+
+    ids = torch.sort(torch.randint(0, 5, (40,), dtype=torch.uint8, device=device), stable=True)[0]
+    results = torch.library.opcheck(route_table, (ids, 6, max_tiles(40, 6)))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
 def test_no_grad_and_recorded_forward_agree(device):
     x, index, weights, gate_up, down, _ = problem(33, 32, 24, 6, 2, device)
     with torch.no_grad():

@@ -7,7 +7,7 @@ group in tiles of ``EXPERT_ROWS`` rows (kernels/configs.py), so that every tile 
 expert; a table gives each tile its expert and rows, and a group's last tile is cut at the group's
 end. The table's size is fixed by the slot and expert counts alone (``max_tiles``), so nothing here
 waits for the GPU and a compiled graph has static shapes; the entries past the tiles in use are
-never read.
+never read. The table is made from the sorted expert ids in one kernel launch (``route_table``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.common import cdiv
+from .kernels.common import cdiv, interpreting
 from .kernels.configs import EXPERT_ROWS
+from .kernels.route_table import route_table as route_table_kernel
+from .library import define
 
 
 class Routes(NamedTuple):
@@ -38,22 +40,48 @@ def max_tiles(slots: int, num_experts: int) -> int:
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     """The grouped rows of ``top_k_index`` [T, k] (expert ids in ``[0, num_experts)``)."""
-    experts = top_k_index.reshape(-1).long()
+    experts = top_k_index.reshape(-1)
     slots = experts.numel()
-    device = experts.device
-    # The slot of each row; the narrowest key that holds every expert id (a radix sort's passes).
+    # The narrowest key that holds every expert id: a radix sort's passes.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
-    order = torch.argsort(experts.to(key), stable=True)
-    rows = order.new_empty(order.shape).scatter_(0, order, torch.arange(slots, device=device))
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    ends = torch.cumsum(counts, 0)
+    sorted_ids, order = torch.sort(experts.to(key), stable=True)  # order: the slot of each row
+    rows = order.new_empty(order.shape).scatter_(0, order, torch.arange(slots, device=experts.device))
+    tiles, used_tiles, ends = route_table(sorted_ids, num_experts, max_tiles(slots, num_experts))
+    return Routes(rows.int(), order, tiles, used_tiles, ends)
+
+
+def _route_table(sorted_ids, num_experts, num_tiles):
+    """The row-tile table of the sorted expert ids: one kernel (kernels/route_table.py) where
+    Triton runs, else the same in PyTorch."""
+    if sorted_ids.is_cuda or (sorted_ids.device.type == "cpu" and interpreting()):
+        return route_table_kernel(sorted_ids.contiguous(), num_experts, num_tiles, EXPERT_ROWS)
+    return _route_table_reference(sorted_ids, num_experts, num_tiles)
+
+
+def _route_table_reference(sorted_ids, num_experts, num_tiles):
+    device = sorted_ids.device
+    ids = sorted_ids.long()
+    expert_ids = torch.arange(num_experts, device=device)
+    ends = torch.searchsorted(ids, expert_ids, right=True)
+    counts = ends - torch.searchsorted(ids, expert_ids)
     tiles_of_expert = (counts + EXPERT_ROWS - 1) // EXPERT_ROWS
     tile_ends = torch.cumsum(tiles_of_expert, 0)
-    tile = torch.arange(max_tiles(slots, num_experts), device=device)
+    tile = torch.arange(num_tiles, device=device)
     # The expert of each tile; entries past the tiles in use point at the last expert (never read).
     expert = torch.searchsorted(tile_ends, tile, right=True).clamp_(max=num_experts - 1)
     first_tile = tile_ends[expert] - tiles_of_expert[expert]
     first_row = ends[expert] - counts[expert] + (tile - first_tile) * EXPERT_ROWS
     tiles = torch.stack((expert, first_row, ends[expert]), dim=1).int()
-    return Routes(rows.int(), order, tiles, tile_ends[-1:].int(), ends.int())
+    return tiles, tile_ends[-1:].int(), ends.int()
+
+
+def _route_table_fake(sorted_ids, num_experts, num_tiles):
+    new = {"dtype": torch.int32, "device": sorted_ids.device}
+    return torch.empty(num_tiles, 3, **new), torch.empty(1, **new), torch.empty(num_experts, **new)
+
+
+route_table = define(
+    "route_table(Tensor sorted_ids, int num_experts, int num_tiles) -> (Tensor, Tensor, Tensor)",
+    _route_table,
+    _route_table_fake,
+)

@@ -1,0 +1,112 @@
+"""The routed experts' row-tile table in one kernel launch, from the slots' expert ids sorted.
+
+From the sorted ids alone (routing.py: every expert's group of rows is a run of equal ids), one
+program finds each expert's group by binary search, and writes the groups' end rows, the tiles in
+use and, for every tile, its expert, first row and group end: the table the forward and backward
+kernels walk. What it replaces is some twenty small PyTorch kernels (counts, cumulative sums, a
+search, gathers) whose launches, not their work, cost the step its time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_power_of_2
+from .launch import KernelLauncher
+
+
+@triton.jit
+def _bound(ids_ptr, S, offs_e, RIGHT: tl.constexpr):
+    """Per lane expert ``e``: the number of sorted ids below ``e`` (``RIGHT``: at most ``e``)."""
+    lo = tl.zeros_like(offs_e)
+    hi = tl.zeros_like(offs_e) + S
+    for _ in tl.static_range(32):  # enough halvings for any int32 count of slots
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(ids_ptr + mid, mask=active, other=0).to(tl.int32)
+        below = (v <= offs_e) if RIGHT else (v < offs_e)
+        lo = tl.where(active & below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
+def _pick(values, offs_e, index):
+    """``values[index]`` per lane of ``index`` [BT], for ``values`` [E_P2] held in registers."""
+    return tl.sum(tl.where(offs_e[None, :] == index[:, None], values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _route_table_kernel(
+    ids_ptr,  # [S] expert ids, sorted
+    tiles_ptr,  # [T, 3] int32 out: expert, first row, group end row
+    used_ptr,  # [1] int32 out: the tiles in use
+    ends_ptr,  # [E] int32 out: each expert's group end row
+    S,
+    E,
+    T,
+    ROWS: tl.constexpr,  # rows per tile
+    E_P2: tl.constexpr,
+    BT: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_P2)
+    m_e = offs_e < E
+    ends = _bound(ids_ptr, S, offs_e, True)
+    counts = tl.where(m_e, ends - _bound(ids_ptr, S, offs_e, False), 0)
+    tl.store(ends_ptr + offs_e, ends, mask=m_e)
+    tiles_of_expert = (counts + ROWS - 1) // ROWS
+    tile_ends = tl.cumsum(tiles_of_expert, 0)
+    tl.store(used_ptr, tl.sum(tiles_of_expert))
+    for t0 in range(0, T, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        # Each tile's expert; tiles past those in use point at the last expert (never read).
+        after = (tile_ends[None, :] <= offs_t[:, None]) & m_e[None, :]
+        expert = tl.minimum(tl.sum(after.to(tl.int32), axis=1), E - 1)
+        count = _pick(counts, offs_e, expert)
+        end = _pick(ends, offs_e, expert)
+        first_tile = _pick(tile_ends, offs_e, expert) - _pick(tiles_of_expert, offs_e, expert)
+        first_row = end - count + (offs_t - first_tile) * ROWS
+        m_t = offs_t < T
+        tl.store(tiles_ptr + 3 * offs_t, expert, mask=m_t)
+        tl.store(tiles_ptr + 3 * offs_t + 1, first_row, mask=m_t)
+        tl.store(tiles_ptr + 3 * offs_t + 2, end, mask=m_t)
+
+
+_launch = KernelLauncher(_route_table_kernel)
+
+ROUTE_WARPS = 4
+
+
+def route_block(num_experts: int) -> int:
+    """Tiles per step of the table loop: a [BT, E] selection of 8192 entries (registers)."""
+    return max(16, 8192 // next_power_of_2(num_experts))
+
+
+def route_table(
+    sorted_ids: torch.Tensor, num_experts: int, num_tiles: int, rows_per_tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tiles [num_tiles, 3], used_tiles [1], ends [num_experts]), int32, of the sorted expert ids
+    ``sorted_ids`` [S] (contiguous, each in ``[0, num_experts)``) in tiles of ``rows_per_tile``
+    rows, as routing.py defines them."""
+    if sorted_ids.dim() != 1 or sorted_ids.stride(0) != 1 or num_experts < 1:
+        raise ValueError(f"expected contiguous [S] ids and experts >= 1, got {tuple(sorted_ids.shape)}")
+    new = {"dtype": torch.int32, "device": sorted_ids.device}
+    tiles, used, ends = (torch.empty(shape, **new) for shape in ((num_tiles, 3), (1,), (num_experts,)))
+    e_p2 = next_power_of_2(num_experts)
+    _launch(
+        (1,),
+        sorted_ids,
+        tiles,
+        used,
+        ends,
+        sorted_ids.shape[0],
+        num_experts,
+        num_tiles,
+        ROWS=rows_per_tile,
+        E_P2=e_p2,
+        BT=route_block(num_experts),
+        num_warps=ROUTE_WARPS,
+    )
+    return tiles, used, ends
