@@ -132,7 +132,7 @@ def test_routes_cut_large_groups_into_tiles():
 def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
     """The table from the sorted ids in one kernel equals the PyTorch construction entry for entry
     (the unused entries too), with experts that receive nothing and ids wider than a byte."""
-    from fused_swiglu.kernels.route_table import route_table
+    from fused_swiglu.kernels.routes import route_table
     from fused_swiglu.routing import _route_table_reference
 
     g = torch.Generator().manual_seed(tokens)
@@ -146,11 +146,39 @@ def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
         assert g_.dtype == torch.int32 and torch.equal(g_.cpu(), w), name
 
 
-def test_route_table_op_passes_opcheck(device):
-    from fused_swiglu.routing import route_table
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_route_rows_kernel_matches_pytorch(device, k):
+    """Each slot's row and each row's token from the sort's order, in one kernel, equal to the
+    PyTorch scatter and division (rows past a program's block included: 1500 slots)."""
+    from fused_swiglu.kernels.routes import route_rows
+
+    order = torch.randperm(1500 // k * k, generator=torch.Generator().manual_seed(k)).to(device)
+    rows, tokens = route_rows(order, k)
+    want_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+    assert rows.dtype == tokens.dtype == torch.int32
+    assert torch.equal(rows.long(), want_rows) and torch.equal(tokens.long(), order // k)
+
+
+def test_routes_in_pytorch_equal_the_kernels(device, monkeypatch):
+    """Where Triton does not run, route() builds the same routes in PyTorch."""
+    from fused_swiglu import routing
+
+    index = torch.randint(0, 7, (300, 2), generator=torch.Generator().manual_seed(3)).to(device)
+    index[index == 4] = 0  # expert 4 empty
+    kernels = routing.route(index, 7)
+    monkeypatch.setattr(routing, "_triton_runs_on", lambda device: False)
+    for name, got, want in zip(routing.Routes._fields, routing.route(index, 7), kernels, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_route_ops_pass_opcheck(device):
+    from fused_swiglu.routing import route_rows, route_table
 
     ids = torch.sort(torch.randint(0, 5, (40,), dtype=torch.uint8, device=device), stable=True)[0]
     results = torch.library.opcheck(route_table, (ids, 6, max_tiles(40, 6)))
+    assert set(results.values()) == {"SUCCESS"}, results
+    order = torch.randperm(40, device=device)
+    results = torch.library.opcheck(route_rows, (order, 4))
     assert set(results.values()) == {"SUCCESS"}, results
 
 

@@ -46,10 +46,22 @@ class RoutedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, slot_weights, gate_up_weight, down_weight, rows, sources, tiles, used_tiles, ends, k, save
+        ctx,
+        x,
+        slot_weights,
+        gate_up_weight,
+        down_weight,
+        rows,
+        sources,
+        token_of_row,
+        tiles,
+        used_tiles,
+        ends,
+        k,
+        save,
     ):
         # Kept for the backward: each row's token (int32) and routing weight, not the slot order.
-        token_of_row, w_rows = (sources // k).int(), slot_weights[sources]
+        w_rows = slot_weights[sources]
         weights = (gate_up_weight, down_weight)
         table = (tiles, used_tiles, ends)
         y_rows, saved, a = experts_forward(x, token_of_row, *weights, *table, save)
@@ -88,7 +100,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         del grad
         dx = experts_combine(dx_rows, rows, ctx.k, None) if need_dx else None
         dw = dw_rows[rows].to(ctx.weights_dtype) if need_dw else None  # back to slot order
-        return dx, dw, (dgate_up if need_dgate_up else None), (ddown if need_ddown else None), *(None,) * 7
+        return dx, dw, (dgate_up if need_dgate_up else None), (ddown if need_ddown else None), *(None,) * 8
 
 
 def _check(x, top_k_index, top_k_weights, gate_up_weight, down_weight) -> None:
@@ -168,9 +180,9 @@ def _routed(x, top_k_index, top_k_weights, gate_up_weight, down_weight, save: st
     table = (routes.tiles, routes.used_tiles, routes.ends)
     leaves = (x, slot_weights, gate_up_weight, down_weight)
     if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
-        return RoutedExpertsFunction.apply(*leaves, routes.rows, routes.sources, *table, k, save)
-    token_of_row = (routes.sources // k).int()
-    y_rows = experts_inference(x, token_of_row, gate_up_weight, down_weight, *table)
+        rows = (routes.rows, routes.sources, routes.tokens)
+        return RoutedExpertsFunction.apply(*leaves, *rows, *table, k, save)
+    y_rows = experts_inference(x, routes.tokens, gate_up_weight, down_weight, *table)
     return experts_combine(y_rows, routes.rows, k, slot_weights)
 
 

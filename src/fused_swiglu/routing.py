@@ -7,7 +7,7 @@ group in tiles of ``EXPERT_ROWS`` rows (kernels/configs.py), so that every tile 
 expert; a table gives each tile its expert and rows, and a group's last tile is cut at the group's
 end. The table's size is fixed by the slot and expert counts alone (``max_tiles``), so nothing here
 waits for the GPU and a compiled graph has static shapes; the entries past the tiles in use are
-never read. The table is made from the sorted expert ids in one kernel launch (``route_table``).
+never read. After the sort, the rows and the table are two kernel launches (kernels/routes.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from .kernels.common import cdiv, interpreting
 from .kernels.configs import EXPERT_ROWS
-from .kernels.route_table import route_table as route_table_kernel
+from .kernels.routes import route_rows as route_rows_kernel
+from .kernels.routes import route_table as route_table_kernel
 from .library import define
 
 
@@ -27,6 +28,7 @@ class Routes(NamedTuple):
 
     rows: torch.Tensor  # [S] int32: the grouped row of each slot
     sources: torch.Tensor  # [S] int64: the slot of each grouped row
+    tokens: torch.Tensor  # [S] int32: the token of each grouped row
     tiles: torch.Tensor  # [max_tiles, 3] int32: each row tile's expert, first row and its group's end row
     used_tiles: torch.Tensor  # [1] int32: the tiles in use (the first entries of ``tiles``)
     ends: torch.Tensor  # [E] int32: the end row of each expert's group
@@ -45,15 +47,35 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     # The narrowest key that holds every expert id: a radix sort's passes.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
     sorted_ids, order = torch.sort(experts.to(key), stable=True)  # order: the slot of each row
-    rows = order.new_empty(order.shape).scatter_(0, order, torch.arange(slots, device=experts.device))
+    rows, tokens = route_rows(order, top_k_index.shape[1])
     tiles, used_tiles, ends = route_table(sorted_ids, num_experts, max_tiles(slots, num_experts))
-    return Routes(rows.int(), order, tiles, used_tiles, ends)
+    return Routes(rows, order, tokens, tiles, used_tiles, ends)
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def _route_rows(order, k):
+    """Each slot's row and each row's token (int32) of the sort's ``order``: one kernel
+    (kernels/routes.py) where Triton runs, else the same in PyTorch."""
+    if _triton_runs_on(order.device):
+        return route_rows_kernel(order.contiguous(), k)
+    rows = order.new_empty(order.shape).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return rows.int(), (order // k).int()
+
+
+def _route_rows_fake(order, k):
+    return order.new_empty(order.shape, dtype=torch.int32), order.new_empty(order.shape, dtype=torch.int32)
+
+
+route_rows = define("route_rows(Tensor order, int k) -> (Tensor, Tensor)", _route_rows, _route_rows_fake)
 
 
 def _route_table(sorted_ids, num_experts, num_tiles):
-    """The row-tile table of the sorted expert ids: one kernel (kernels/route_table.py) where
-    Triton runs, else the same in PyTorch."""
-    if sorted_ids.is_cuda or (sorted_ids.device.type == "cpu" and interpreting()):
+    """The row-tile table of the sorted expert ids: one kernel (kernels/routes.py) where Triton
+    runs, else the same in PyTorch."""
+    if _triton_runs_on(sorted_ids.device):
         return route_table_kernel(sorted_ids.contiguous(), num_experts, num_tiles, EXPERT_ROWS)
     return _route_table_reference(sorted_ids, num_experts, num_tiles)
 

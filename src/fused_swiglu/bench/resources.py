@@ -40,7 +40,7 @@ from ..kernels.common import CHUNK, Saved, next_power_of_2
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
-from ..kernels.route_table import ROUTE_WARPS, _route_table_kernel, route_block
+from ..kernels.routes import ROUTE_WARPS, _route_table_kernel, route_block
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,

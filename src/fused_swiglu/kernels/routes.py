@@ -1,10 +1,13 @@
-"""The routed experts' row-tile table in one kernel launch, from the slots' expert ids sorted.
+"""The routed experts' routes (routing.py) in two kernel launches, from the slots' expert ids sorted:
 
-From the sorted ids alone (routing.py: every expert's group of rows is a run of equal ids), one
-program finds each expert's group by binary search, and writes the groups' end rows, the tiles in
-use and, for every tile, its expert, first row and group end: the table the forward and backward
-kernels walk. What it replaces is some twenty small PyTorch kernels (counts, cumulative sums, a
-search, gathers) whose launches, not their work, cost the step its time.
+* the rows: each slot's grouped row, and each row's token, from the sort's order;
+* the row-tile table: every expert's group of rows is a run of equal sorted ids, so one program
+  finds each group by binary search and writes the groups' end rows, the tiles in use and, for
+  every tile, its expert, first row and group end (the table the forward and backward kernels
+  walk).
+
+They replace some twenty-five small PyTorch kernels (counts, cumulative sums, a search, gathers,
+casts) whose launches, not their work, cost the step its time.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_power_of_2
+from .common import cdiv, next_power_of_2
 from .launch import KernelLauncher
 
 
@@ -74,7 +77,20 @@ def _route_table_kernel(
         tl.store(tiles_ptr + 3 * offs_t + 2, end, mask=m_t)
 
 
+@triton.jit
+def _route_rows_kernel(order_ptr, rows_ptr, tokens_ptr, S, K, B: tl.constexpr):
+    offs = tl.program_id(0) * B + tl.arange(0, B)
+    m = offs < S
+    slot = tl.load(order_ptr + offs, mask=m, other=0)
+    tl.store(rows_ptr + slot, offs.to(tl.int32), mask=m)
+    tl.store(tokens_ptr + offs, (slot // K).to(tl.int32), mask=m)
+
+
 _launch = KernelLauncher(_route_table_kernel)
+_launch_rows = KernelLauncher(_route_rows_kernel)
+
+#: Rows per program of the rows kernel.
+ROWS_BLOCK = 1024
 
 ROUTE_WARPS = 4
 
@@ -110,3 +126,15 @@ def route_table(
         num_warps=ROUTE_WARPS,
     )
     return tiles, used, ends
+
+
+def route_rows(order: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [S], tokens [S]), int32, of the sort's ``order`` [S] (contiguous, the slot of each
+    grouped row): each slot's row (``rows[order[r]] = r``) and each row's token (its slot // ``k``)."""
+    if order.dim() != 1 or order.stride(0) != 1 or k < 1:
+        raise ValueError(f"expected a contiguous [S] order and k >= 1, got {tuple(order.shape)}, k={k}")
+    slots = order.shape[0]
+    rows, tokens = (torch.empty(slots, dtype=torch.int32, device=order.device) for _ in range(2))
+    if slots:
+        _launch_rows((cdiv(slots, ROWS_BLOCK),), order, rows, tokens, slots, k, B=ROWS_BLOCK)
+    return rows, tokens
