@@ -127,11 +127,14 @@ def test_routes_cut_large_groups_into_tiles():
 
 
 @pytest.mark.parametrize(
-    "tokens, k, experts", [(37, 2, 4), (5, 8, 256), (64, 1, 3), (100, 4, 300), (1, 1, 1)], ids=str
+    "tokens, k, experts",
+    [(37, 2, 4), (5, 8, 256), (64, 1, 3), (100, 4, 300), (1, 1, 1), (15, 1, 5), (8, 2, 2)],
+    ids=str,
 )
 def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
     """The table from the sorted ids in one kernel equals the PyTorch construction entry for entry
-    (the unused entries too), with experts that receive nothing and ids wider than a byte."""
+    (the unused entries too), with experts that receive nothing, ids wider than a byte, and slot
+    counts at and beside powers of two (the binary search's step count)."""
     from fused_swiglu.kernels.routes import route_table
     from fused_swiglu.routing import _route_table_reference
 

@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     for experts in (8, 128, 256, 512):
         signature = {"ids_ptr": "*u8", "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
         signature |= dict.fromkeys(("S", "E", "T"), "i32")
-        signature |= dict.fromkeys(("ROWS", "E_P2", "BT"), "constexpr")
+        signature |= dict.fromkeys(("ROWS", "E_P2", "BT", "STEPS"), "constexpr")
         constants = {"ROWS": EXPERT_ROWS, "E_P2": next_power_of_2(experts), "BT": route_block(experts)}
+        constants["STEPS"] = (8192 * 8).bit_length()  # 8192 tokens at top-8
         source = ASTSource(_route_table_kernel, signature, constants)
         kernel = triton.compile(source, target=target, options={"num_warps": ROUTE_WARPS})
         label = f"route table, {experts} experts (routed experts)"

@@ -21,18 +21,25 @@ from .launch import KernelLauncher
 
 
 @triton.jit
-def _bound(ids_ptr, S, offs_e, RIGHT: tl.constexpr):
-    """Per lane expert ``e``: the number of sorted ids below ``e`` (``RIGHT``: at most ``e``)."""
-    lo = tl.zeros_like(offs_e)
-    hi = tl.zeros_like(offs_e) + S
-    for _ in tl.static_range(32):  # enough halvings for any int32 count of slots
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(ids_ptr + mid, mask=active, other=0).to(tl.int32)
-        below = (v <= offs_e) if RIGHT else (v < offs_e)
-        lo = tl.where(active & below, mid + 1, lo)
-        hi = tl.where(active & ~below, mid, hi)
-    return lo
+def _group_bounds(ids_ptr, S, offs_e, STEPS: tl.constexpr):
+    """Per lane expert ``e``: the numbers of sorted ids below ``e`` and at most ``e`` (its group's
+    first and end rows), two binary searches in one loop, so that their loads overlap."""
+    lo_first = tl.zeros_like(offs_e)
+    hi_first = tl.zeros_like(offs_e) + S
+    lo_end = tl.zeros_like(offs_e)
+    hi_end = tl.zeros_like(offs_e) + S
+    for _ in tl.static_range(STEPS):  # STEPS halvings bring [0, S] to one point
+        on_first = lo_first < hi_first
+        on_end = lo_end < hi_end
+        mid_first = (lo_first + hi_first) // 2
+        mid_end = (lo_end + hi_end) // 2
+        v_first = tl.load(ids_ptr + mid_first, mask=on_first, other=0).to(tl.int32)
+        v_end = tl.load(ids_ptr + mid_end, mask=on_end, other=0).to(tl.int32)
+        lo_first = tl.where(on_first & (v_first < offs_e), mid_first + 1, lo_first)
+        hi_first = tl.where(on_first & (v_first >= offs_e), mid_first, hi_first)
+        lo_end = tl.where(on_end & (v_end <= offs_e), mid_end + 1, lo_end)
+        hi_end = tl.where(on_end & (v_end > offs_e), mid_end, hi_end)
+    return lo_first, lo_end
 
 
 @triton.jit
@@ -53,11 +60,12 @@ def _route_table_kernel(
     ROWS: tl.constexpr,  # rows per tile
     E_P2: tl.constexpr,
     BT: tl.constexpr,
+    STEPS: tl.constexpr,  # binary-search steps: S's bit length
 ):
     offs_e = tl.arange(0, E_P2)
     m_e = offs_e < E
-    ends = _bound(ids_ptr, S, offs_e, True)
-    counts = tl.where(m_e, ends - _bound(ids_ptr, S, offs_e, False), 0)
+    firsts, ends = _group_bounds(ids_ptr, S, offs_e, STEPS)
+    counts = tl.where(m_e, ends - firsts, 0)
     tl.store(ends_ptr + offs_e, ends, mask=m_e)
     tiles_of_expert = (counts + ROWS - 1) // ROWS
     tile_ends = tl.cumsum(tiles_of_expert, 0)
@@ -123,6 +131,7 @@ def route_table(
         ROWS=rows_per_tile,
         E_P2=e_p2,
         BT=route_block(num_experts),
+        STEPS=max(1, sorted_ids.shape[0].bit_length()),
         num_warps=ROUTE_WARPS,
     )
     return tiles, used, ends
