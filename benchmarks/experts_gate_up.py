@@ -35,7 +35,7 @@ def variants(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> 
     routes = route(index, experts)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-    token_of_row = (routes.sources // top_k).int()
+    token_of_row = routes.tokens
     x_rows = x[token_of_row].contiguous()
     gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     gate_up /= hidden**0.5

@@ -578,7 +578,7 @@ def test_forward_kernel_reads_rows_by_index_as_from_gathered_rows(device, hidden
     wide = torch.cat((x, torch.full_like(x[:, :8], float("nan"))), dim=1).to(dtype)  # row stride H + 8
     x, gate_up = wide[:, :hidden], gate_up.to(dtype)
     routes = route(index[:-3], 4)  # the last 3 tokens are routed nowhere
-    token_of_row = (routes.sources // 2).int()
+    token_of_row = routes.tokens
     experts = (routes.tiles, routes.used_tiles, 4)
     kind = Saved.of(save)
     by_index = glu_forward(x, gate_up, save=kind, experts=experts, row_index=token_of_row, **MULTIPLIERS)
@@ -735,7 +735,7 @@ def test_ops_fake_implementations_match(device, save):
     x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
     routes = route(index, 4)
     table = (routes.tiles, routes.used_tiles, routes.ends)
-    token_of_row = (routes.sources // 2).int()
+    token_of_row = routes.tokens
     w_rows = weights.reshape(-1)[routes.sources]
     y_rows, saved, a = experts_forward(x, token_of_row, gate_up, down, *table, save)
     down_args = (dy[token_of_row], x, token_of_row, w_rows, gate_up, down, saved, a, *table, save, True, True)
