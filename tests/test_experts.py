@@ -247,6 +247,16 @@ def test_bad_input_is_refused_by_name(device, change, error, words):
         swiglu_experts(**args, save="activations")
 
 
+@pytest.mark.parametrize("bad_id", [4, 300, -1])
+def test_expert_ids_outside_the_experts_are_refused(bad_id):
+    """On the CPU (on a GPU the same check is a device-side assert, which ends the process's CUDA
+    context): an id that a narrow sort key would wrap onto another expert is refused."""
+    x, index, weights, gate_up, down, _ = problem(9, 32, 16, 4, 2, torch.device("cpu"))
+    index[3, 1] = bad_id
+    with pytest.raises(RuntimeError, match=r"expert ids outside \[0, 4\)"):
+        swiglu_experts(x, index, weights, gate_up, down)
+
+
 def test_packing_round_trips():
     stock = torch.randn(3, 2 * 24, 8)
     packed = pack_experts(stock)
