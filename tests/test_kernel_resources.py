@@ -27,6 +27,6 @@ def test_chosen_configs_fit_an_sm90_block():
     assert "bfloat16 forward FACTORS (routed experts)" in done.stdout
     assert "bfloat16 backward PREACT (routed experts)" in done.stdout
     assert "bfloat16 combine top-8 weighted (routed experts)" in done.stdout
-    assert "route table, 512 experts (routed experts)" in done.stdout
+    assert "route table, 1024 experts (routed experts)" in done.stdout
     # The Gluon backward, compiled with its register split between loaders and consumers.
     assert "bfloat16 backward FACTORS (warp-specialized)" in done.stdout

@@ -36,11 +36,11 @@ from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
 from ..kernels.combine import GPU_BLOCK as COMBINE_BLOCK
 from ..kernels.combine import GPU_WARPS as COMBINE_WARPS
 from ..kernels.combine import _combine_kernel
-from ..kernels.common import CHUNK, Saved, next_power_of_2
+from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
-from ..kernels.routes import ROUTE_WARPS, _route_table_kernel, route_block
+from ..kernels.routes import ROUTE_WARPS, _route_table_kernel, expert_lanes, route_block
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
@@ -346,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         label = f"bfloat16 combine top-{top_k}{' weighted' if weighted else ''} (routed experts)"
         if not _report(label, tile, resources(kernel), "tf32", limit):
             failed.append(label)
-    # The routed experts' row-tile table, from 8 to 512 experts (its [BT, E] selections in registers).
-    for experts in (8, 128, 256, 512):
-        signature = {"ids_ptr": "*u8", "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
+    # The routed experts' row-tile table, from 1 to 1024 experts (its [BT, E] selections in registers).
+    for experts in (1, 3, 8, 64, 128, 256, 512, 1024):
+        ids = "*u8" if experts <= 256 else "*i16"  # the sort's key (routing.py)
+        signature = {"ids_ptr": ids, "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
         signature |= dict.fromkeys(("S", "E", "T"), "i32")
         signature |= dict.fromkeys(("ROWS", "E_P2", "BT", "STEPS"), "constexpr")
-        constants = {"ROWS": EXPERT_ROWS, "E_P2": next_power_of_2(experts), "BT": route_block(experts)}
+        constants = {"ROWS": EXPERT_ROWS, "E_P2": expert_lanes(experts), "BT": route_block(experts)}
         constants["STEPS"] = (8192 * 8).bit_length()  # 8192 tokens at top-8
         source = ASTSource(_route_table_kernel, signature, constants)
         kernel = triton.compile(source, target=target, options={"num_warps": ROUTE_WARPS})

@@ -103,9 +103,16 @@ ROWS_BLOCK = 1024
 ROUTE_WARPS = 4
 
 
+def expert_lanes(num_experts: int) -> int:
+    """The table kernel's lanes, one per expert: a power of two, at least 16 (narrower vectors and
+    the selections built on them fail to compile for sm_90 or spill)."""
+    return max(16, next_power_of_2(num_experts))
+
+
 def route_block(num_experts: int) -> int:
-    """Tiles per step of the table loop: a [BT, E] selection of 8192 entries (registers)."""
-    return max(16, 8192 // next_power_of_2(num_experts))
+    """Tiles per step of the table loop: 16 to 128, a [BT, lanes] selection of at most 4096
+    entries where that leaves 16 tiles (registers)."""
+    return max(16, min(128, 4096 // expert_lanes(num_experts)))
 
 
 def route_table(
@@ -118,7 +125,6 @@ def route_table(
         raise ValueError(f"expected contiguous [S] ids and experts >= 1, got {tuple(sorted_ids.shape)}")
     new = {"dtype": torch.int32, "device": sorted_ids.device}
     tiles, used, ends = (torch.empty(shape, **new) for shape in ((num_tiles, 3), (1,), (num_experts,)))
-    e_p2 = next_power_of_2(num_experts)
     _launch(
         (1,),
         sorted_ids,
@@ -129,7 +135,7 @@ def route_table(
         num_experts,
         num_tiles,
         ROWS=rows_per_tile,
-        E_P2=e_p2,
+        E_P2=expert_lanes(num_experts),
         BT=route_block(num_experts),
         STEPS=max(1, sorted_ids.shape[0].bit_length()),
         num_warps=ROUTE_WARPS,
