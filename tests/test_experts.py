@@ -174,6 +174,12 @@ def test_routes_in_pytorch_equal_the_kernels(device, monkeypatch):
         assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
+def test_route_of_no_slots(device):
+    routes = route(torch.zeros(0, 2, dtype=torch.long, device=device), 4)
+    assert routes.tiles.shape == (0, 3) and routes.used_tiles.tolist() == [0]
+    assert routes.ends.tolist() == [0, 0, 0, 0] and routes.rows.numel() == routes.tokens.numel() == 0
+
+
 def test_route_ops_pass_opcheck(device):
     from fused_swiglu.routing import route_rows, route_table
 

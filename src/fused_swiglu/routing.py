@@ -46,9 +46,10 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     slots = experts.numel()
     # An id outside the experts would be cast to another expert's below: refused on the device,
     # without waiting for it (on a GPU a device-side assert, as an index out of bounds raises).
-    lowest, highest = torch.aminmax(experts)
-    in_range = (lowest >= 0) & (highest < num_experts)
-    torch._assert_async(in_range, f"top_k_index holds expert ids outside [0, {num_experts})")
+    if slots:
+        lowest, highest = torch.aminmax(experts)
+        in_range = (lowest >= 0) & (highest < num_experts)
+        torch._assert_async(in_range, f"top_k_index holds expert ids outside [0, {num_experts})")
     # The narrowest key that holds every expert id: a radix sort's passes.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
     sorted_ids, order = torch.sort(experts.to(key), stable=True)  # order: the slot of each row
