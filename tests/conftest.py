@@ -43,17 +43,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _poison_value(dtype: torch.dtype):
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype == torch.bool or dtype.is_complex:
+        return None
+    return torch.iinfo(dtype).max  # integers (row indices, tile tables): never a valid row or expert
+
+
 def _poisoned(factory):
     def make(*args, **kwargs):
         t = factory(*args, **kwargs)
-        if t.dtype.is_floating_point:
-            # No grad: e.g. torch.utils.checkpoint's empty leaf that requires grad. The version counter
-            # stays at 0, as torch.empty leaves it (the fused backward reads it).
-            if t.is_inference():  # inference tensors have no version counter
-                t.fill_(float("nan"))
-                return t
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
-                t.fill_(float("nan"))
+        value = _poison_value(t.dtype)
+        if value is None:
+            return t
+        # No grad: e.g. torch.utils.checkpoint's empty leaf that requires grad. The version counter
+        # stays at 0, as torch.empty leaves it (the fused backward reads it).
+        if t.is_inference():  # inference tensors have no version counter
+            return t.fill_(value)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+            t.fill_(value)
         return t
 
     return make
@@ -61,7 +70,8 @@ def _poisoned(factory):
 
 @pytest.fixture(autouse=True)
 def nan_poisoned_allocations(monkeypatch):
-    """Every torch.empty is NaN-filled, so an element a kernel never writes fails the test."""
+    """Every torch.empty is NaN-filled (integers: their largest value), so an element a kernel never
+    writes fails the test."""
     monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
 
