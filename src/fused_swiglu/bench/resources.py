@@ -350,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     for experts in (1, 3, 8, 64, 128, 256, 512, 1024):
         ids = "*u8" if experts <= 256 else "*i16"  # the sort's key (routing.py)
         signature = {"ids_ptr": ids, "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
-        signature |= dict.fromkeys(("S", "E", "T"), "i32")
-        signature |= dict.fromkeys(("ROWS", "E_P2", "BT", "STEPS"), "constexpr")
+        signature |= dict.fromkeys(("S", "E", "T", "steps"), "i32")
+        signature |= dict.fromkeys(("ROWS", "E_P2", "BT"), "constexpr")
         constants = {"ROWS": EXPERT_ROWS, "E_P2": expert_lanes(experts), "BT": route_block(experts)}
-        constants["STEPS"] = (8192 * 8).bit_length()  # 8192 tokens at top-8
-        source = ASTSource(_route_table_kernel, signature, constants)
+        signature = {name: signature[name] for name in _route_table_kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # the pointers, as launched
+        source = ASTSource(_route_table_kernel, signature, constants, aligned)
         kernel = triton.compile(source, target=target, options={"num_warps": ROUTE_WARPS})
         label = f"route table, {experts} experts (routed experts)"
         if not _report(label, f"{constants['BT']}x{constants['E_P2']}", resources(kernel), "tf32", limit):

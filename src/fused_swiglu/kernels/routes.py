@@ -21,14 +21,15 @@ from .launch import KernelLauncher
 
 
 @triton.jit
-def _group_bounds(ids_ptr, S, offs_e, STEPS: tl.constexpr):
+def _group_bounds(ids_ptr, S, offs_e, steps):
     """Per lane expert ``e``: the numbers of sorted ids below ``e`` and at most ``e`` (its group's
     first and end rows), two binary searches in one loop, so that their loads overlap."""
     lo_first = tl.zeros_like(offs_e)
     hi_first = tl.zeros_like(offs_e) + S
     lo_end = tl.zeros_like(offs_e)
     hi_end = tl.zeros_like(offs_e) + S
-    for _ in tl.static_range(STEPS):  # STEPS halvings bring [0, S] to one point
+    # A loop, not unrolled: unrolled, some step counts failed to compile for sm_90 (triton 3.6).
+    for _ in range(steps):  # this many halvings bring [0, S] to one point
         on_first = lo_first < hi_first
         on_end = lo_end < hi_end
         mid_first = (lo_first + hi_first) // 2
@@ -57,14 +58,14 @@ def _route_table_kernel(
     S,
     E,
     T,
+    steps,  # binary-search steps: S's bit length
     ROWS: tl.constexpr,  # rows per tile
     E_P2: tl.constexpr,
     BT: tl.constexpr,
-    STEPS: tl.constexpr,  # binary-search steps: S's bit length
 ):
     offs_e = tl.arange(0, E_P2)
     m_e = offs_e < E
-    firsts, ends = _group_bounds(ids_ptr, S, offs_e, STEPS)
+    firsts, ends = _group_bounds(ids_ptr, S, offs_e, steps)
     counts = tl.where(m_e, ends - firsts, 0)
     tl.store(ends_ptr + offs_e, ends, mask=m_e)
     tiles_of_expert = (counts + ROWS - 1) // ROWS
@@ -134,10 +135,10 @@ def route_table(
         sorted_ids.shape[0],
         num_experts,
         num_tiles,
+        max(1, sorted_ids.shape[0].bit_length()),
         ROWS=rows_per_tile,
         E_P2=expert_lanes(num_experts),
         BT=route_block(num_experts),
-        STEPS=max(1, sorted_ids.shape[0].bit_length()),
         num_warps=ROUTE_WARPS,
     )
     return tiles, used, ends
