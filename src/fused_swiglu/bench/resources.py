@@ -40,7 +40,7 @@ from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
-from ..kernels.routes import ROUTE_WARPS, _route_table_kernel, expert_lanes, route_block
+from ..kernels.routes import FILL_BLOCK, ROUTE_WARPS, _route_table_kernel, expert_lanes, route_block
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
@@ -346,13 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         label = f"bfloat16 combine top-{top_k}{' weighted' if weighted else ''} (routed experts)"
         if not _report(label, tile, resources(kernel), "tf32", limit):
             failed.append(label)
-    # The routed experts' row-tile table, from 1 to 1024 experts (its [BT, E] selections in registers).
+    # The routed experts' row-tile table, from 1 to 1024 experts (its [BT, E] stores in registers).
     for experts in (1, 3, 8, 64, 128, 256, 512, 1024):
         ids = "*u8" if experts <= 256 else "*i16"  # the sort's key (routing.py)
         signature = {"ids_ptr": ids, "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
         signature |= dict.fromkeys(("S", "E", "T", "steps"), "i32")
-        signature |= dict.fromkeys(("ROWS", "E_P2", "BT"), "constexpr")
+        signature |= dict.fromkeys(("ROWS", "E_P2", "BT", "FILL"), "constexpr")
         constants = {"ROWS": EXPERT_ROWS, "E_P2": expert_lanes(experts), "BT": route_block(experts)}
+        constants["FILL"] = FILL_BLOCK
         signature = {name: signature[name] for name in _route_table_kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # the pointers, as launched
         source = ASTSource(_route_table_kernel, signature, constants, aligned)

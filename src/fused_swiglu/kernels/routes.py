@@ -44,12 +44,6 @@ def _group_bounds(ids_ptr, S, offs_e, steps):
 
 
 @triton.jit
-def _pick(values, offs_e, index):
-    """``values[index]`` per lane of ``index`` [BT], for ``values`` [E_P2] held in registers."""
-    return tl.sum(tl.where(offs_e[None, :] == index[:, None], values[None, :], 0), axis=1)
-
-
-@triton.jit
 def _route_table_kernel(
     ids_ptr,  # [S] expert ids, sorted
     tiles_ptr,  # [T, 3] int32 out: expert, first row, group end row
@@ -61,7 +55,8 @@ def _route_table_kernel(
     steps,  # binary-search steps: S's bit length
     ROWS: tl.constexpr,  # rows per tile
     E_P2: tl.constexpr,
-    BT: tl.constexpr,
+    BT: tl.constexpr,  # tiles of every expert per step
+    FILL: tl.constexpr,  # unused entries per step
 ):
     offs_e = tl.arange(0, E_P2)
     m_e = offs_e < E
@@ -69,21 +64,28 @@ def _route_table_kernel(
     counts = tl.where(m_e, ends - firsts, 0)
     tl.store(ends_ptr + offs_e, ends, mask=m_e)
     tiles_of_expert = (counts + ROWS - 1) // ROWS
-    tile_ends = tl.cumsum(tiles_of_expert, 0)
-    tl.store(used_ptr, tl.sum(tiles_of_expert))
-    for t0 in range(0, T, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        # Each tile's expert; tiles past those in use point at the last expert (never read).
-        after = (tile_ends[None, :] <= offs_t[:, None]) & m_e[None, :]
-        expert = tl.minimum(tl.sum(after.to(tl.int32), axis=1), E - 1)
-        count = _pick(counts, offs_e, expert)
-        end = _pick(ends, offs_e, expert)
-        first_tile = _pick(tile_ends, offs_e, expert) - _pick(tiles_of_expert, offs_e, expert)
-        first_row = end - count + (offs_t - first_tile) * ROWS
+    first_entry = tl.cumsum(tiles_of_expert, 0) - tiles_of_expert
+    used = tl.sum(tiles_of_expert)
+    tl.store(used_ptr, used)
+    # Each expert writes its own tiles, BT at a time: stores only, no selection across experts.
+    offs_i = tl.arange(0, BT)[:, None]
+    for i0 in range(0, tl.max(tiles_of_expert), BT):
+        i = i0 + offs_i
+        live = i < tiles_of_expert[None, :]
+        entry = tiles_ptr + 3 * (first_entry[None, :] + i)
+        tl.store(entry, tl.broadcast_to(offs_e[None, :], (BT, E_P2)), mask=live)
+        tl.store(entry + 1, firsts[None, :] + i * ROWS, mask=live)
+        tl.store(entry + 2, tl.broadcast_to(ends[None, :], (BT, E_P2)), mask=live)
+    # Entries past the tiles in use continue the last expert's (never read).
+    last = offs_e == E - 1
+    last_end = tl.sum(tl.where(last, ends, 0))
+    row_of_entry_0 = tl.sum(tl.where(last, firsts - first_entry * ROWS, 0))
+    for t0 in range(used, T, FILL):
+        offs_t = t0 + tl.arange(0, FILL)
         m_t = offs_t < T
-        tl.store(tiles_ptr + 3 * offs_t, expert, mask=m_t)
-        tl.store(tiles_ptr + 3 * offs_t + 1, first_row, mask=m_t)
-        tl.store(tiles_ptr + 3 * offs_t + 2, end, mask=m_t)
+        tl.store(tiles_ptr + 3 * offs_t, tl.zeros_like(offs_t) + (E - 1), mask=m_t)
+        tl.store(tiles_ptr + 3 * offs_t + 1, row_of_entry_0 + offs_t * ROWS, mask=m_t)
+        tl.store(tiles_ptr + 3 * offs_t + 2, tl.zeros_like(offs_t) + last_end, mask=m_t)
 
 
 @triton.jit
@@ -111,9 +113,13 @@ def expert_lanes(num_experts: int) -> int:
 
 
 def route_block(num_experts: int) -> int:
-    """Tiles per step of the table loop: 16 to 128, a [BT, lanes] selection of at most 4096
-    entries where that leaves 16 tiles (registers)."""
-    return max(16, min(128, 4096 // expert_lanes(num_experts)))
+    """Tiles of every expert per step of the table loop: [BT, lanes] stores of at most 2048 entries
+    (registers; 4096 spilled at 1024 experts), at most 32 tiles (4096 rows) an expert."""
+    return max(1, min(32, 2048 // expert_lanes(num_experts)))
+
+
+#: Unused table entries per step.
+FILL_BLOCK = 256
 
 
 def route_table(
@@ -139,6 +145,7 @@ def route_table(
         ROWS=rows_per_tile,
         E_P2=expert_lanes(num_experts),
         BT=route_block(num_experts),
+        FILL=FILL_BLOCK,
         num_warps=ROUTE_WARPS,
     )
     return tiles, used, ends
