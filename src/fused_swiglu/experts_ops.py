@@ -30,9 +30,10 @@ import itertools
 import torch
 
 from .kernels.combine import combine
-from .kernels.common import Saved, tma_ready
-from .kernels.configs import expert_rows_by_index
+from .kernels.common import Saved, interpreting, tma_ready
+from .kernels.configs import expert_rows_by_index, routed_backward_is_warp_specialized
 from .kernels.glu_backward import routed_glu_backward_
+from .kernels.glu_backward_ws import routed_glu_backward_ws_
 from .kernels.glu_forward import glu_forward
 from .layout import CHUNK, split_packed_columns
 from .library import define
@@ -160,18 +161,35 @@ def _experts_backward_down(
         # One kernel: the gradient of a * w, the routing weights' gradient, a * w over a for dW_down
         # and the SwiGLU gradient over what was saved.
         kind = Saved.PREACT if save == "preact" else Saved.FACTORS
-        dw, a = routed_glu_backward_(
-            dy_rows,
-            down_weight,
-            saved,
-            a if kind == Saved.FACTORS else None,
-            w_rows.contiguous(),
-            tiles,
-            used_tiles,
-            save=kind,
-            need_row_grad=need_dw,
-            write_scaled_a=need_ddown,
+        rows, hidden = dy_rows.shape
+        warp_specialized = routed_backward_is_warp_specialized(
+            rows, hidden, dy_rows.dtype, not interpreting(), kind
         )
+        if warp_specialized and (need_dw or need_ddown):  # it reads a: with neither, the Triton kernel
+            dw, a = routed_glu_backward_ws_(
+                dy_rows,
+                down_weight,
+                saved,
+                a,
+                w_rows.contiguous(),
+                tiles,
+                used_tiles,
+                need_row_grad=need_dw,
+                write_scaled_a=need_ddown,
+            )
+        else:
+            dw, a = routed_glu_backward_(
+                dy_rows,
+                down_weight,
+                saved,
+                a if kind == Saved.FACTORS else None,
+                w_rows.contiguous(),
+                tiles,
+                used_tiles,
+                save=kind,
+                need_row_grad=need_dw,
+                write_scaled_a=need_ddown,
+            )
     else:
         if save == "preact":
             up, gate = split_packed_columns(saved)

@@ -174,8 +174,16 @@ def _gluon_descriptor_type(block: list[int], dtype: torch.dtype) -> str:
     return native_specialize_impl(BaseBackend, hopper_ws.gluon_descriptor(t, block), False, True, True)[0]
 
 
-def _compile_gluon(fn, blocks: dict, constants: dict, c: hopper_ws.WSLaunch, dtype, target):
-    """Compile a warp-specialized kernel like its launcher does; a block of None is a None argument."""
+_DENSE_SCALARS = dict.fromkeys(("M", "N", "K"), "i32") | dict.fromkeys(
+    ("gate_multiplier", "down_multiplier"), "fp32"
+)
+
+
+def _compile_gluon(
+    fn, blocks: dict, constants: dict, c: hopper_ws.WSLaunch, dtype, target, scalars: dict = _DENSE_SCALARS
+):
+    """Compile a warp-specialized kernel like its launcher does; a block of None is a None argument;
+    ``scalars``: the other arguments' types (pointers 16-byte aligned, as the library's tensors are)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     meta = c.meta()
@@ -183,12 +191,12 @@ def _compile_gluon(fn, blocks: dict, constants: dict, c: hopper_ws.WSLaunch, dty
     constants = {**constants, **meta}
     constants |= {name: None for name, block in blocks.items() if block is None}
     signature = {name: _gluon_descriptor_type(block, dtype) for name, block in blocks.items() if block}
-    signature |= dict.fromkeys(("M", "N", "K"), "i32") | dict.fromkeys(
-        ("gate_multiplier", "down_multiplier"), "fp32"
-    )
-    signature |= dict.fromkeys(constants, "constexpr")
+    signature |= scalars | dict.fromkeys(constants, "constexpr")
     signature = {name: signature[name] for name in fn.arg_names}
-    return triton.compile(GluonASTSource(fn, signature, constants), target=target, options=options)
+    aligned = {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n].startswith("*")
+    }
+    return triton.compile(GluonASTSource(fn, signature, constants, aligned), target=target, options=options)
 
 
 def warp_specialized_backward_kernel(
@@ -215,6 +223,27 @@ def ping_pong_backward_kernel(
     blocks["g_desc"] = blocks["s_desc"] if own_grad else None
     constants = {"NSAVED": c.saved_buffers}
     return c, _compile_gluon(glu_backward_ws._glu_backward_pp_kernel, blocks, constants, c, dtype, target)
+
+
+def routed_ping_pong_backward_kernel(
+    dtype: torch.dtype, save: Saved, target: GPUTarget = SM90, row_grad: bool = True
+):
+    """The routed experts' Gluon backward (saved factors, ping-pong), writing ``a * w`` and, with
+    ``row_grad``, the routing weights' partial gradients."""
+    c = glu_backward_ws.ROUTED_PING_PONG
+    width = c.piece_width
+    blocks = {"dy_desc": [c.block_m, c.block_k], "wd_desc": [c.block_k, c.block_n]}
+    blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": [c.block_m, width]}
+    element = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    scalars = {"t_ptr": "*i32", "used_ptr": "*i32", "r_ptr": "*fp32", "s_ptr": element, "a_ptr": element}
+    scalars |= dict.fromkeys(("N", "K", "NP"), "i32")
+    constants = {"NSAVED": c.saved_buffers, "WRITE_A": True}
+    if row_grad:
+        scalars["p_ptr"] = "*fp32"
+    else:
+        constants["p_ptr"] = None
+    kernel = glu_backward_ws._routed_backward_pp_kernel
+    return c, _compile_gluon(kernel, blocks, constants, c, dtype, target, scalars)
 
 
 def warp_specialized_forward_kernel(dtype: torch.dtype, save: Saved, target: GPUTarget = SM90):
@@ -377,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         gluon_kernels += [(own_grad, "backward own grad", k) for k in glu_backward_ws.CONFIGS]
         own_grad_pp = functools.partial(ping_pong_backward_kernel, own_grad=True)
         gluon_kernels += [(own_grad_pp, "backward ping-pong own grad", Saved.FACTORS)]
+        gluon_kernels += [(routed_ping_pong_backward_kernel, "routed experts backward", Saved.FACTORS)]
+        no_row_grad = functools.partial(routed_ping_pong_backward_kernel, row_grad=False)
+        gluon_kernels += [(no_row_grad, "routed experts backward, no weights' gradient", Saved.FACTORS)]
         for (build, family, save), dtype in itertools.product(gluon_kernels, (torch.bfloat16, torch.float16)):
             c, kernel = build(dtype, save, target)
             tile = f"{c.block_m}x{c.block_n}x{c.block_k} s{c.stages} e{c.pieces}"

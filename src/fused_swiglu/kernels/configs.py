@@ -145,6 +145,19 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save:
     return _warp_specialized_runs(m, dtype, on_gpu) and save in (Saved.FACTORS, Saved.PREACT)
 
 
+def routed_backward_is_warp_specialized(
+    m: int, hidden: int, dtype: torch.dtype, on_gpu: bool, save: Saved
+) -> bool:
+    """Whether the routed experts' backward kernel is the warp-specialized ping-pong one
+    (kernels/glu_backward_ws.py) rather than the Triton one: saved factors, at the hidden sizes the
+    dense ping-pong launch takes (the GEMM's K; larger ones unmeasured)."""
+    from .glu_backward_ws import PING_PONG_MAX_HIDDEN
+
+    return (
+        save == Saved.FACTORS and hidden <= PING_PONG_MAX_HIDDEN and _warp_specialized_runs(m, dtype, on_gpu)
+    )
+
+
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
 # tiles, ragged edges and several persistent-loop iterations.
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)

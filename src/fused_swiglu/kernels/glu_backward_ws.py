@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hopper_ws as ws
-from .common import Saved, empty, gradient_target
+from .common import Saved, cdiv, empty, gradient_target, persistent_programs
 from .hopper_ws import AVAILABLE, gluon_descriptor
 from .launch import KernelLauncher, Tma
 
@@ -67,6 +67,17 @@ class PingPongConfig(WSConfig, ws.PingPongLaunch):
     saved_buffers: int = 4
 
 
+@dataclass(frozen=True)
+class RoutedPingPongConfig(PingPongConfig):
+    """The routed experts' ping-pong launch: as ``PingPongConfig``, each saved buffer paired with a
+    buffer of ``a``'s piece ([128, 16], 4 KB), so 4 stages (128 KB) beside the 96 KB of staging."""
+
+    stages: int = 4
+
+
+ROUTED_PING_PONG = RoutedPingPongConfig()
+
+
 #: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch: faster there,
 #: and larger hidden sizes are unmeasured (docs/design/kernel-choice.md).
 PING_PONG_MAX_HIDDEN = 4096
@@ -85,10 +96,11 @@ if AVAILABLE:
     @gluon.jit
     def _saved_loader(
         s_desc, saved, problem, BN: gl.constexpr, GROUP_M: gl.constexpr, FIRST: gl.constexpr,
-        STEP: gl.constexpr
+        STEP: gl.constexpr, table, a_desc, a_bufs
     ):  # fmt: skip
         """The saved pieces of tiles ``pid + (FIRST + STEP * n) * nprog``: every tile of this program for
-        one consumer group (0, 1), or every other one starting at FIRST for two (FIRST, 2)."""
+        one consumer group (0, 1), or every other one starting at FIRST for two (FIRST, 2). Routed
+        experts (``table``, ``a_desc``): each saved piece with ``a``'s piece, into ``a_bufs`` beside it."""
         s_bufs, s_ready, s_free = saved
         M, N, K, pid, nprog = problem
         BM: gl.constexpr = s_desc.block_type.shape[0]
@@ -99,14 +111,18 @@ if AVAILABLE:
         g = 0
         for tile in range(pid + FIRST * nprog, num_m * num_n, STEP * nprog):
             i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
+            o_m, _, _ = ws.row_tile(i_m, BM, table)
             for p in gl.static_range(BN // W):
                 idx = g % NSAVED
                 mbarrier.wait(s_free.index(idx), ((g // NSAVED) & 1) ^ 1)
                 bar = s_ready.index(idx)
-                mbarrier.expect(bar, s_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    s_desc, [i_m * BM, 2 * (i_n * BN + p * W)], bar, s_bufs.index(idx)
-                )
+                o_n = i_n * BN + p * W
+                if a_desc is None:
+                    mbarrier.expect(bar, s_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(bar, s_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [o_m, o_n], bar, a_bufs.index(idx))
+                tma.async_copy_global_to_shared(s_desc, [o_m, 2 * o_n], bar, s_bufs.index(idx))
                 g += 1
 
     @gluon.jit
@@ -160,12 +176,73 @@ if AVAILABLE:
         return g + 1
 
     @gluon.jit
+    def _masked_store(buf, ptr, o_m, o_c, end, stride, num_warps: gl.constexpr):
+        """Rows of ``buf`` [BM, C] before ``end`` to ``ptr`` at (o_m, o_c), a contiguous tensor of
+        rows ``stride`` wide: a group's cut tile, whose TMA store would also write the next group's
+        first rows."""
+        BM: gl.constexpr = buf.type.shape[0]
+        C: gl.constexpr = buf.type.shape[1]
+        ACROSS: gl.constexpr = C // 8  # threads along a row, 16 bytes each
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ACROSS, ACROSS], [num_warps, 1], [1, 0])
+        rows = o_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols = o_c + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+        at = ptr + rows[:, None].to(gl.int64) * stride + cols[None, :]
+        gl.store(at, buf.load(layout), mask=(rows[:, None] < end) & (cols[None, :] < stride))
+
+    @gluon.jit
+    def _routed_piece(
+        b_da, g, s_desc, a_desc, saved, a_bufs, o_m, o_n, end, routed, WRITE_A: gl.constexpr,
+        LAG: gl.constexpr, CHUNK_: gl.constexpr, num_warps: gl.constexpr
+    ):  # fmt: skip
+        """Piece ``g`` of a routed tile (saved factors): ``b_da`` [BM, W] is the gradient of ``a * w``
+        for intermediate columns [o_n, o_n + W) of rows [o_m, end); its routing weights' gradient
+        (a partial row sum), ``a * w`` over ``a`` (``WRITE_A``) and [dU | dG] over the factors."""
+        r_ptr, p_ptr, s_ptr, a_ptr, N, NP = routed
+        s_bufs, s_ready, s_free = saved
+        NSAVED: gl.constexpr = s_bufs.type.shape[0]
+        BM: gl.constexpr = b_da.shape[0]
+        W: gl.constexpr = b_da.shape[1]
+        packed_layout: gl.constexpr = ws.pack(b_da, b_da, CHUNK_).type.layout
+        idx = g % NSAVED
+        buf = s_bufs.index(idx)
+        a_buf = a_bufs.index(idx)
+        rows = o_m + gl.arange(0, BM, layout=gl.SliceLayout(1, b_da.type.layout))
+        live = rows < end
+        b_w = gl.load(r_ptr + rows, mask=live, other=0.0).to(gl.float32)
+        mbarrier.wait(s_ready.index(idx), (g // NSAVED) & 1)
+        b_a = a_buf.load(b_da.type.layout).to(gl.float32)
+        if p_ptr is not None:
+            # One partial sum per row and piece, summed after the kernel: the same result every run.
+            gl.store(p_ptr + rows.to(gl.int64) * NP + o_n // W, gl.sum(b_da * b_a, axis=1), mask=live)
+        if WRITE_A:
+            a_buf.store((b_a * b_w[:, None]).to(a_desc.dtype))  # a * w, what dW_down reads
+        b_da = b_da * b_w[:, None]  # the gradient of a
+        b_grad = buf.load(packed_layout).to(gl.float32) * ws.pack(b_da, b_da, CHUNK_)
+        buf.store(b_grad.to(s_desc.dtype))
+        if end - o_m >= BM:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(s_desc, [o_m, 2 * o_n], buf)
+            if WRITE_A:
+                tma.async_copy_shared_to_global(a_desc, [o_m, o_n], a_buf)
+            tma.store_wait(pendings=(2 if WRITE_A else 1) * LAG)
+        else:
+            _masked_store(buf, s_ptr, o_m, 2 * o_n, end, 2 * N, num_warps)
+            if WRITE_A:
+                _masked_store(a_buf, a_ptr, o_m, o_n, end, N, num_warps)
+            # No stores of this piece in flight: those of the pieces before it must be done.
+            tma.store_wait(pendings=0)
+        mbarrier.arrive(s_free.index((g + NSAVED - LAG) % NSAVED), count=1, pred=g >= LAG)
+        return g + 1
+
+    @gluon.jit
     def _consumers(
         s_desc, g_desc, a_desc, ring, saved, a_bufs, turns, problem, gate_multiplier, down_multiplier,
         BN: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr, CHUNK_: gl.constexpr, FIRST: gl.constexpr,
-        STEP: gl.constexpr, num_warps: gl.constexpr
+        STEP: gl.constexpr, num_warps: gl.constexpr, table, routed, WRITE_A: gl.constexpr
     ):  # fmt: skip
         """One consumer group's tiles, ``pid + (FIRST + STEP * n) * nprog`` (see ``_saved_loader``).
+        Routed experts (``table``): the tiles are the table's, and ``_routed_piece`` their epilogue
+        (``a_desc`` then is ``a``'s, read with the factors; ``routed`` its other arguments).
 
         The operand loader fills the ring with every tile of the program in order, so the program's
         t-th tile starts at ring position t * num_k. ``turns`` is None for one group; for two it is
@@ -188,6 +265,7 @@ if AVAILABLE:
         g = 0
         for tile in range(pid + FIRST * nprog, num_m * num_n, STEP * nprog):
             i_m, i_n = ws.tile_coords(tile, num_m, num_n, GROUP_M)
+            o_m, _, end = ws.row_tile(i_m, BM, table)
             t = (tile - pid) // nprog  # the program's t-th tile
             if turns is not None:
                 # The other group has taken (t + 1) // 2 turns before tile t (tile 0 waits for none):
@@ -199,10 +277,16 @@ if AVAILABLE:
             # y carries the down multiplier, so dA does too
             pieces = ws.split_pieces(acc * down_multiplier, BN // W)
             for p in gl.static_range(BN // W):
-                g = _epilogue_piece(
-                    pieces[p], g, s_desc, g_desc, saved, a_desc, a_bufs, i_m * BM, i_n * BN + p * W,
-                    gate_multiplier, down_multiplier, LAG, CHUNK_
-                )  # fmt: skip
+                if table is None:
+                    g = _epilogue_piece(
+                        pieces[p], g, s_desc, g_desc, saved, a_desc, a_bufs, o_m, i_n * BN + p * W,
+                        gate_multiplier, down_multiplier, LAG, CHUNK_
+                    )  # fmt: skip
+                else:
+                    g = _routed_piece(
+                        pieces[p], g, s_desc, a_desc, saved, a_bufs, o_m, i_n * BN + p * W, end, routed,
+                        WRITE_A, LAG, CHUNK_, num_warps
+                    )  # fmt: skip
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -248,10 +332,13 @@ if AVAILABLE:
                         0,
                         1,
                         num_warps,
+                        None,
+                        None,
+                        False,
                     ),
                 ),  # fmt: skip
-                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
-                (_saved_loader, (s_desc, saved, problem, BN, GROUP_M, 0, 1)),
+                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False, None)),
+                (_saved_loader, (s_desc, saved, problem, BN, GROUP_M, 0, 1, None, None, saved[0])),
             ],
             [1, 1],
             [WORKER_REGS, WORKER_REGS],
@@ -279,16 +366,57 @@ if AVAILABLE:
                 (
                     _consumers,
                     (s_desc, g_desc, None, ring, saved0, saved0[0], turn0, problem, 1.0, down_multiplier, BN,
-                     GROUP_M, LAG, CHUNK_, 0, 2, num_warps),
+                     GROUP_M, LAG, CHUNK_, 0, 2, num_warps, None, None, False),
                 ),
                 (
                     _consumers,
                     (s_desc, g_desc, None, ring, saved1, saved1[0], turn1, problem, 1.0, down_multiplier, BN,
-                     GROUP_M, LAG, CHUNK_, 1, 2, num_warps),
+                     GROUP_M, LAG, CHUNK_, 1, 2, num_warps, None, None, False),
                 ),
-                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False)),
-                (_saved_loader, (s_desc, saved0, problem, BN, GROUP_M, 0, 2)),
-                (_saved_loader, (s_desc, saved1, problem, BN, GROUP_M, 1, 2)),
+                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False, None)),
+                (_saved_loader, (s_desc, saved0, problem, BN, GROUP_M, 0, 2, None, None, saved0[0])),
+                (_saved_loader, (s_desc, saved1, problem, BN, GROUP_M, 1, 2, None, None, saved1[0])),
+            ],
+            [num_warps, 1, 1, 1],
+            [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _routed_backward_pp_kernel(
+        dy_desc, wd_desc, s_desc, a_desc, t_ptr, used_ptr, r_ptr, p_ptr, s_ptr, a_ptr, N, K, NP,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NSAVED: gl.constexpr, LAG: gl.constexpr,
+        CHUNK_: gl.constexpr, WRITE_A: gl.constexpr, WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        num_warps: gl.constexpr
+    ):  # fmt: skip
+        """Routed experts, saved factors, ping-pong: the rows of the tile table's ``used_ptr`` tiles
+        (``t_ptr``, one of each kernel tile's rows), W_down [E * K, N] read at each tile's expert."""
+        BN: gl.constexpr = wd_desc.block_type.shape[1]
+        BM: gl.constexpr = dy_desc.block_type.shape[0]
+        ring = ws.ring_buffers(dy_desc, wd_desc, STAGES)
+        saved0 = _saved_staging(s_desc, NSAVED)
+        saved1 = _saved_staging(s_desc, NSAVED)
+        a_bufs0 = gl.allocate_shared_memory(a_desc.dtype, [NSAVED] + a_desc.block_type.shape, a_desc.layout)
+        a_bufs1 = gl.allocate_shared_memory(a_desc.dtype, [NSAVED] + a_desc.block_type.shape, a_desc.layout)
+        turns = ws.barriers(2)
+        problem = (gl.load(used_ptr) * BM, N, K, gl.program_id(0), gl.num_programs(0))
+        turn0 = (turns.index(0), turns.index(1))
+        turn1 = (turns.index(1), turns.index(0))
+        routed = (r_ptr, p_ptr, s_ptr, a_ptr, N, NP)
+        gl.warp_specialize(
+            [
+                (
+                    _consumers,
+                    (s_desc, None, a_desc, ring, saved0, a_bufs0, turn0, problem, 1.0, 1.0, BN, GROUP_M, LAG,
+                     CHUNK_, 0, 2, num_warps, t_ptr, routed, WRITE_A),
+                ),
+                (
+                    _consumers,
+                    (s_desc, None, a_desc, ring, saved1, a_bufs1, turn1, problem, 1.0, 1.0, BN, GROUP_M, LAG,
+                     CHUNK_, 1, 2, num_warps, t_ptr, routed, WRITE_A),
+                ),
+                (ws.operand_loader, (dy_desc, wd_desc, ring, problem, BN, GROUP_M, False, t_ptr)),
+                (_saved_loader, (s_desc, saved0, problem, BN, GROUP_M, 0, 2, t_ptr, a_desc, a_bufs0)),
+                (_saved_loader, (s_desc, saved1, problem, BN, GROUP_M, 1, 2, t_ptr, a_desc, a_bufs1)),
             ],
             [num_warps, 1, 1, 1],
             [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS],
@@ -296,6 +424,7 @@ if AVAILABLE:
 
     _launch_backward_ws = KernelLauncher(_glu_backward_ws_kernel, gluon_descriptor)
     _launch_backward_pp = KernelLauncher(_glu_backward_pp_kernel, gluon_descriptor)
+    _launch_routed_backward = KernelLauncher(_routed_backward_pp_kernel, gluon_descriptor)
 
 
 def glu_backward_ws_(
@@ -359,3 +488,48 @@ def glu_backward_ws_(
         **c.meta(),
     )
     return a
+
+
+def routed_glu_backward_ws_(
+    dy_rows: torch.Tensor,
+    w_down: torch.Tensor,
+    saved: torch.Tensor,
+    a: torch.Tensor,
+    row_weights: torch.Tensor,
+    tiles: torch.Tensor,
+    used_tiles: torch.Tensor,
+    *,
+    need_row_grad: bool,
+    write_scaled_a: bool,
+    config: RoutedPingPongConfig | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``kernels.glu_backward.routed_glu_backward_`` with saved factors (and ``a``), warp-specialized
+    (bf16/fp16, sm_90): the same arguments and results, the row tiles of ``tiles`` of
+    ``ROUTED_PING_PONG.block_m`` rows (the table's)."""
+    c = config or ROUTED_PING_PONG
+    m, hidden = dy_rows.shape
+    experts, _, inter = w_down.shape
+    width = c.piece_width
+    pieces = cdiv(inter, width)
+    partials = torch.empty((m, pieces), dtype=torch.float32, device=dy_rows.device) if need_row_grad else None
+    tile_count = tiles.shape[0] * cdiv(inter, c.block_n)
+    _launch_routed_backward(
+        (persistent_programs(cdiv(tile_count, 2), dy_rows.device),),
+        Tma(dy_rows, (c.block_m, c.block_k)),
+        Tma(w_down.view(experts * hidden, inter), (c.block_k, c.block_n)),
+        Tma(saved, (c.block_m, 2 * width)),
+        Tma(a, (c.block_m, width)),
+        tiles,
+        used_tiles,
+        row_weights,
+        partials,
+        saved,
+        a,
+        inter,
+        hidden,
+        pieces,
+        NSAVED=c.saved_buffers,
+        WRITE_A=write_scaled_a,
+        **c.meta(),
+    )
+    return (None if partials is None else partials.sum(1)), (a if write_scaled_a else None)

@@ -142,7 +142,7 @@ if AVAILABLE:
                         num_warps,
                     ),
                 ),  # fmt: skip
-                (ws.operand_loader, (x_desc, w_desc, ring, problem, BN, GROUP_M, True)),
+                (ws.operand_loader, (x_desc, w_desc, ring, problem, BN, GROUP_M, True, None)),
                 (_storer, (a_desc, s_desc, staged, problem, BN, GROUP_M, LAG)),
             ],
             [1, 1],

@@ -97,13 +97,30 @@ if AVAILABLE:
         return b_g * b_s, b_s * (1.0 + b_g * (1.0 - b_s))
 
     @gluon.jit
+    def row_tile(i_m, BM: gl.constexpr, table):
+        """(first row, expert, group end row) of row tile ``i_m``: from the routed experts' tile
+        table (``[T, 3]`` int32: expert, first row, end row; kernels/routes.py), else one weight."""
+        if table is None:
+            first, expert, end = i_m * BM, 0, 2147483647
+        else:
+            first, expert, end = (
+                gl.load(table + 3 * i_m + 1),
+                gl.load(table + 3 * i_m),
+                gl.load(table + 3 * i_m + 2),
+            )
+        return first, expert, end
+
+    @gluon.jit
     def operand_loader(
-        a_desc, b_desc, ring, problem, BN: gl.constexpr, GROUP_M: gl.constexpr, B_K_MAJOR: gl.constexpr
-    ):
+        a_desc, b_desc, ring, problem, BN: gl.constexpr, GROUP_M: gl.constexpr, B_K_MAJOR: gl.constexpr,
+        table
+    ):  # fmt: skip
         """Fill the ring with A [BM, BK] and B tiles for every tile of this program.
 
         B is either K-major, [B_ROWS, BK] at rows ``i_n * B_ROWS`` (the forward's packed weight, whose
         tile of BN intermediate columns is 2 * BN rows), or [BK, BN] at columns ``i_n * BN`` (W_down).
+        With a tile ``table`` (routed experts) the row tiles are the table's, and B the tile's
+        expert's: [E * K, N] read at rows ``expert * K`` (W_down; K-major B is not routed here).
         """
         a_bufs, b_bufs, ready, free = ring
         M, N, K, pid, nprog = problem
@@ -115,14 +132,18 @@ if AVAILABLE:
         j = 0
         for tile in range(pid, num_m * num_n, nprog):
             i_m, i_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            o_m, expert, _ = row_tile(i_m, BM, table)
             for k in range(gl.cdiv(K, BK)):
                 s = j % STAGES
                 # A fresh barrier counts as released once, so the first lap does not wait.
                 mbarrier.wait(free.index(s), ((j // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [i_m * BM, k * BK], bar, a_bufs.index(s))
-                b_at = [i_n * b_desc.block_type.shape[0], k * BK] if B_K_MAJOR else [k * BK, i_n * BN]
+                tma.async_copy_global_to_shared(a_desc, [o_m, k * BK], bar, a_bufs.index(s))
+                if B_K_MAJOR:
+                    b_at = [i_n * b_desc.block_type.shape[0], k * BK]
+                else:
+                    b_at = [expert * K + k * BK, i_n * BN]
                 tma.async_copy_global_to_shared(b_desc, b_at, bar, b_bufs.index(s))
                 j += 1
 
