@@ -42,7 +42,9 @@ def calls(hidden, inter, experts, top_k, kind, tokens):
     x_rows, dy_rows = x[rows].contiguous(), torch.randn_like(x)[rows].contiguous()
     w_rows = weights.reshape(-1)[routes.sources].contiguous()
     table = (routes.tiles, routes.used_tiles, experts)
-    a, saved = glu_forward(x_rows, gate_up, save=Saved.FACTORS, experts=table, down_multiplier=1.0)
+    a, saved = glu_forward(
+        x_rows, gate_up, save=Saved.FACTORS, experts=table, gate_multiplier=1.0, down_multiplier=1.0
+    )
     args = (dy_rows, down, saved, a, w_rows, routes.tiles, routes.used_tiles)
     needs = {"need_row_grad": True, "write_scaled_a": True}
     # Each call overwrites the saved tensor and a: values drift over the repetitions, the work does not.

@@ -684,11 +684,11 @@ def test_routed_backward_kernel_against_float64(device, save, block_m, needs):
 
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize(
-    "shape",
+    "case",
     [(400, 256, 384, 6, 2, {"skew": True, "empty": (3,)}), (200, 64, 48, 3, 1, {})],
     ids=["several-tiles-an-expert", "narrower-than-a-tile"],
 )
-def test_warp_specialized_routed_backward_against_float64(device, shape, needs):
+def test_warp_specialized_routed_backward_against_float64(device, case, needs):
     """The routed backward's warp-specialized kernel (bf16, the GPU) against float64 row by row, and
     within twice the Triton kernel's error on the same inputs: groups that end inside a tile (their
     masked stores), experts of several tiles and none, a width of part of a tile; in place over
@@ -702,7 +702,7 @@ def test_warp_specialized_routed_backward_against_float64(device, shape, needs):
     if device.type != "cuda" or not hopper_ws.AVAILABLE or torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("a Gluon kernel for Hopper GPUs")
     need_row_grad, write_scaled_a = needs
-    tokens, hidden, inter, num_experts, k, options = shape
+    tokens, hidden, inter, num_experts, k, options = case
     x, index, weights, gate_up, down, dy = problem(tokens, hidden, inter, num_experts, k, device, **options)
     x, weights, gate_up, down, dy = (t.bfloat16() for t in (x, weights, gate_up, down, dy))
     routes = route(index, num_experts)
