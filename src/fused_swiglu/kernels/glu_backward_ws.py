@@ -510,7 +510,8 @@ def routed_glu_backward_ws_(
     m, hidden = dy_rows.shape
     experts, _, inter = w_down.shape
     width = c.piece_width
-    pieces = cdiv(inter, width)
+    # Every piece of every column tile has its partial sum (0 past the width), so each is written.
+    pieces = cdiv(inter, c.block_n) * c.pieces
     partials = torch.empty((m, pieces), dtype=torch.float32, device=dy_rows.device) if need_row_grad else None
     tile_count = tiles.shape[0] * cdiv(inter, c.block_n)
     _launch_routed_backward(
