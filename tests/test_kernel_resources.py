@@ -30,3 +30,6 @@ def test_chosen_configs_fit_an_sm90_block():
     assert "route table, 1024 experts (routed experts)" in done.stdout
     # The Gluon backward, compiled with its register split between loaders and consumers.
     assert "bfloat16 backward FACTORS (warp-specialized)" in done.stdout
+    # The routed experts' Gluon backward over the tile table, with and without the weights' gradient.
+    assert "bfloat16 routed experts backward FACTORS (warp-specialized)" in done.stdout
+    assert "bfloat16 routed experts backward, no weights' gradient FACTORS (warp-specialized)" in done.stdout

@@ -136,6 +136,21 @@ def test_backward_kernel_overwrites_saved_with_packed_gradient(shape, dtype, dev
         assert_like_eager(recomputed, eager_a, a64, dtype, "recomputed a")
 
 
+def test_routed_backward_is_warp_specialized_where_it_runs():
+    """Saved factors in 16 bits on the GPU at hidden sizes up to the ping-pong launch's; never
+    pre-activations, fp32, decode sizes, wider hidden sizes or the interpreter."""
+    from fused_swiglu.kernels.configs import routed_backward_is_warp_specialized as chosen
+
+    bf16 = torch.bfloat16
+    assert chosen(4096, 4096, bf16, True, Saved.FACTORS) == hopper_ws.AVAILABLE
+    assert chosen(65, 2048, torch.float16, True, Saved.FACTORS) == hopper_ws.AVAILABLE
+    assert not chosen(4096, 4096, bf16, True, Saved.PREACT)
+    assert not chosen(4096, 4096 + 64, bf16, True, Saved.FACTORS)
+    assert not chosen(64, 2048, bf16, True, Saved.FACTORS)
+    assert not chosen(4096, 2048, torch.float32, True, Saved.FACTORS)
+    assert not chosen(4096, 2048, bf16, False, Saved.FACTORS)
+
+
 def test_warp_specialized_kernels_are_chosen_where_they_run():
     """Bulk-sized 16-bit problems on the GPU; never fp32, decode sizes or the interpreter (Gluon
     kernels need a GPU), nor inference or the forward that skips ``a``."""

@@ -28,6 +28,7 @@ import torch
 
 from . import hopper_ws as ws
 from .common import Saved, cdiv, empty, gradient_target, persistent_programs
+from .configs import EXPERT_ROWS
 from .hopper_ws import AVAILABLE, gluon_descriptor
 from .launch import KernelLauncher, Tma
 
@@ -507,6 +508,8 @@ def routed_glu_backward_ws_(
     (bf16/fp16, sm_90): the same arguments and results, the row tiles of ``tiles`` of
     ``ROUTED_PING_PONG.block_m`` rows (the table's)."""
     c = config or ROUTED_PING_PONG
+    if c.block_m != EXPERT_ROWS:
+        raise ValueError(f"the kernel's tiles are the table's: {EXPERT_ROWS} rows, not {c.block_m}")
     m, hidden = dy_rows.shape
     experts, _, inter = w_down.shape
     width = c.piece_width
