@@ -771,6 +771,23 @@ def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype, we
     assert relative_error(got, want) <= 2 * relative_error(eager, want) + 1e-7  # NaN fails
 
 
+@pytest.mark.parametrize("size", [(1, 8, 1), (37, 300, 130)], ids=lambda s: "T{}-H{}-P{}".format(*s))
+def test_gather_of_routed_rows_is_exact(device, size, dtype):
+    """The routed rows' gather (the combine with one row per output, and the ops' helper): each row
+    equal to indexing, bit for bit, with rows repeated and unread, over more rows than a block."""
+    from fused_swiglu.experts_ops import _gathered
+    from fused_swiglu.kernels.combine import combine
+
+    tokens, hidden, rows_out = size
+    g = torch.Generator().manual_seed(rows_out)
+    src = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    rows = torch.randint(0, tokens, (rows_out,), generator=g).to(device=device, dtype=torch.int32)
+    want = src[rows]
+    for got in (_gathered(src, rows), combine(src, rows, 1)):
+        assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want)
+
+
 def test_combine_refuses_weights_of_another_shape(device):
     from fused_swiglu.kernels.combine import combine
 

@@ -79,7 +79,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         need_dx, need_dw, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
         weights = (gate_up_weight, down_weight)
         dw_rows, ddown, made = experts_backward_down(
-            dy[token_of_row],
+            experts_combine(dy, token_of_row, 1, None),  # dy's rows, gathered
             x,
             token_of_row,
             w_rows,

@@ -73,9 +73,9 @@ def _gate_up(x, token_of_row, gate_up_weight, tiles, used_tiles, ends, save: str
         if expert_rows_by_index(gate_up_weight.shape[1] // 2):
             rows = {"row_index": token_of_row}
         else:
-            x, rows = tma_ready(x[token_of_row]), {}
+            x, rows = tma_ready(_gathered(x, token_of_row)), {}
         return glu_forward(x, gate_up_weight, save=Saved.of(save), experts=experts, **rows, **multipliers)
-    packed = _grouped_mm(x[token_of_row], gate_up_weight.transpose(1, 2), ends)
+    packed = _grouped_mm(_gathered(x, token_of_row), gate_up_weight.transpose(1, 2), ends)
     up, gate = split_packed_columns(packed)
     return torch.nn.functional.silu(gate) * up, packed if save != "recompute" else None
 
@@ -250,7 +250,7 @@ def _experts_backward_gate_up(grad, x, token_of_row, gate_up_weight, ends, after
     after (``experts_backward_down``, which wrote ``grad`` unless it made it)."""
     dgate_up = None
     if need_dgate_up:
-        x_rows = tma_ready(x[token_of_row])
+        x_rows = tma_ready(_gathered(x, token_of_row))
         dgate_up = _grouped_mm(grad.t(), x_rows, ends)
         del x_rows
     dx = _grouped_mm(grad, gate_up_weight.contiguous(), ends) if need_dx else None
@@ -296,13 +296,21 @@ experts_inference = define(
 def _experts_combine(rows_tensor, rows, k, weights):
     """[P, H] grouped rows -> [T, H]: each token's ``k`` rows (``rows`` holds the row of each slot),
     each times its slot's weight where ``weights`` [T * k] is given, summed in fp32; gathered rather
-    than added with atomics."""
+    than added with atomics. With ``k`` 1 and no weights, the rows ``rows`` of ``rows_tensor``."""
     if kernels_run_on(rows_tensor.dtype, rows_tensor.device):
         return combine(rows_tensor.contiguous(), rows, k, None if weights is None else weights.contiguous())
+    if k == 1 and weights is None:
+        return rows_tensor[rows]
     picked = rows_tensor[rows].to(torch.promote_types(rows_tensor.dtype, torch.float32))
     if weights is not None:
         picked *= weights[:, None]
     return picked.view(-1, k, rows_tensor.shape[1]).sum(1).to(rows_tensor.dtype)
+
+
+def _gathered(rows_tensor, rows):
+    """The rows ``rows`` [P] of ``rows_tensor`` [T, H] as a new [P, H] tensor (the combine kernel, one
+    row per output: faster than indexing, which also widens int32 rows to int64 first)."""
+    return _experts_combine(rows_tensor, rows, 1, None)
 
 
 def _experts_combine_fake(rows_tensor, rows, k, weights):

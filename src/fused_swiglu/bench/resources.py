@@ -33,9 +33,8 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
-from ..kernels.combine import GPU_BLOCK as COMBINE_BLOCK
 from ..kernels.combine import GPU_WARPS as COMBINE_WARPS
-from ..kernels.combine import _combine_kernel
+from ..kernels.combine import _combine_kernel, combine_block
 from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
@@ -362,16 +361,17 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(label)
     limit = SHARED_LIMIT[args.arch]
     # The routed experts' combine of each token's rows (weighted: y's; not: dX's), at every top-k
-    # the tests take.
+    # the tests take (top-1 unweighted: the gather of x's and dy's rows).
     for top_k, weighted in itertools.product((1, 2, 8), (True, False)):
         signature = {"src_ptr": "*bf16", "rows_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*bf16"}
         signature |= dict.fromkeys(("T", "H", "stride_src", "stride_out"), "i32")
         signature |= dict.fromkeys(("K", "WEIGHTED", "BT", "BH"), "constexpr")
         signature = {name: signature[name] for name in _combine_kernel.arg_names}
-        constants = {"K": top_k, "WEIGHTED": weighted, "BT": COMBINE_BLOCK[0], "BH": COMBINE_BLOCK[1]}
+        block = combine_block(top_k)
+        constants = {"K": top_k, "WEIGHTED": weighted, "BT": block[0], "BH": block[1]}
         source = ASTSource(_combine_kernel, signature, constants)
         kernel = triton.compile(source, target=target, options={"num_warps": COMBINE_WARPS})
-        tile = "x".join(map(str, COMBINE_BLOCK))
+        tile = "x".join(map(str, block))
         label = f"bfloat16 combine top-{top_k}{' weighted' if weighted else ''} (routed experts)"
         if not _report(label, tile, resources(kernel), "tf32", limit):
             failed.append(label)

@@ -1,6 +1,7 @@
 """Each token's routed rows summed into one row in one pass, accumulated in fp32: the routed experts'
 combine (of y's rows in the forward, each scaled by its routing weight, and of dX's rows in the
-backward).
+backward). With one row per output (``k = 1``) it is the routed rows' gather (x's and dy's rows in
+the backward).
 
 Without it the ``k`` rows of every token are first gathered into a [tokens * k, H] copy and then
 summed: one more tensor of the size of all the routed rows, and one more pass over it.
@@ -57,6 +58,15 @@ _launch_combine = KernelLauncher(_combine_kernel)
 #: loads in flight stay within 128 registers a thread, which a 16-token block exceeded (it spilled).
 GPU_BLOCK = (8, 256)
 GPU_WARPS = 4
+#: The gather's block (one row per output): larger copies per program.
+GATHER_BLOCK = (32, 256)
+
+
+def combine_block(k: int) -> tuple[int, int]:
+    """(tokens, columns) of one program's block for ``k`` rows per token."""
+    if interpreting():
+        return (4, 16)
+    return GATHER_BLOCK if k == 1 else GPU_BLOCK
 
 
 def combine(
@@ -78,7 +88,7 @@ def combine(
     out = torch.empty(tokens, hidden, dtype=src.dtype, device=src.device)
     if tokens == 0 or hidden == 0:
         return out
-    block_t, block_h = (4, 16) if interpreting() else GPU_BLOCK
+    block_t, block_h = combine_block(k)
     grid = (cdiv(tokens, block_t), cdiv(hidden, block_h))
     _launch_combine(
         grid,
