@@ -133,8 +133,8 @@ def test_routes_cut_large_groups_into_tiles():
 )
 def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
     """The table from the sorted ids in one kernel equals the PyTorch construction entry for entry
-    (the unused entries too), with experts that receive nothing, ids wider than a byte, and slot
-    counts at and beside powers of two (the binary search's step count)."""
+    (the unused entries too), with experts that receive nothing, ids wider than a byte, ids keyed
+    past the experts, and slot counts at and beside powers of two (the binary search's step count)."""
     from fused_swiglu.kernels.routes import route_table
     from fused_swiglu.routing import _route_table_reference
 
@@ -142,11 +142,30 @@ def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
     index = torch.randint(0, experts, (tokens, k), generator=g)
     index[index % 3 == 1] = 0  # every third expert id empty, expert 0 large
     ids = torch.sort(index.reshape(-1).to(torch.int16 if experts > 256 else torch.uint8), stable=True)[0]
+    if experts < 256 or ids.dtype == torch.int16:  # ids outside the experts, keyed past them
+        ids = torch.cat([ids, torch.full((3,), experts, dtype=ids.dtype)])
     num_tiles = max_tiles(ids.numel(), experts)
     want = _route_table_reference(ids, experts, num_tiles)
     got = route_table(ids.to(device), experts, num_tiles, EXPERT_ROWS)
     for name, g_, w in zip(("tiles", "used_tiles", "ends"), got, want, strict=True):
         assert g_.dtype == torch.int32 and torch.equal(g_.cpu(), w), name
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize(
+    "experts, key", [(5, torch.uint8), (255, torch.uint8), (256, torch.int16), (40000, torch.int32)], ids=str
+)
+def test_route_keys_kernel_matches_pytorch(device, experts, key, index_dtype):
+    """The sort keys in one kernel equal PyTorch's: ids in range kept, ids outside (negative, at and
+    past the expert count) made the expert count, over more slots than a program's block."""
+    from fused_swiglu.kernels.routes import route_keys
+
+    g = torch.Generator().manual_seed(experts)
+    ids = torch.randint(0, experts, (2500,), generator=g, dtype=torch.int64)
+    ids[::7], ids[3::11], ids[5::13] = -1, experts, experts + 300
+    want = torch.where((ids >= 0) & (ids < experts), ids, experts).to(key)
+    got = route_keys(ids.to(device=device, dtype=index_dtype), experts, key)
+    assert got.dtype == key and torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("k", [1, 2, 8])
@@ -181,13 +200,16 @@ def test_route_of_no_slots(device):
 
 
 def test_route_ops_pass_opcheck(device):
-    from fused_swiglu.routing import route_rows, route_table
+    from fused_swiglu.routing import route_keys, route_rows, route_table
 
     ids = torch.sort(torch.randint(0, 5, (40,), dtype=torch.uint8, device=device), stable=True)[0]
     results = torch.library.opcheck(route_table, (ids, 6, max_tiles(40, 6)))
     assert set(results.values()) == {"SUCCESS"}, results
     order = torch.randperm(40, device=device)
     results = torch.library.opcheck(route_rows, (order, 4))
+    assert set(results.values()) == {"SUCCESS"}, results
+    ids = torch.randint(-1, 7, (40,), device=device)
+    results = torch.library.opcheck(route_keys, (ids, 6, torch.uint8))
     assert set(results.values()) == {"SUCCESS"}, results
 
 

@@ -28,6 +28,8 @@ def test_chosen_configs_fit_an_sm90_block():
     assert "bfloat16 backward PREACT (routed experts)" in done.stdout
     assert "bfloat16 combine top-8 weighted (routed experts)" in done.stdout
     assert "route table, 1024 experts (routed experts)" in done.stdout
+    assert "route keys, i64 ids to u8 (routed experts)" in done.stdout
+    assert "bfloat16 combine top-1 (routed experts)" in done.stdout  # the routed rows' gather
     # The Gluon backward, compiled with its register split between loaders and consumers.
     assert "bfloat16 backward FACTORS (warp-specialized)" in done.stdout
     # The routed experts' Gluon backward over the tile table, with and without the weights' gradient.

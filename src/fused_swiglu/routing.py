@@ -7,7 +7,8 @@ group in tiles of ``EXPERT_ROWS`` rows (kernels/configs.py), so that every tile 
 expert; a table gives each tile its expert and rows, and a group's last tile is cut at the group's
 end. The table's size is fixed by the slot and expert counts alone (``max_tiles``), so nothing here
 waits for the GPU and a compiled graph has static shapes; the entries past the tiles in use are
-never read. After the sort, the rows and the table are two kernel launches (kernels/routes.py).
+never read. Around the sort, the keys, the rows and the table are three kernel launches
+(kernels/routes.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .kernels.common import cdiv, interpreting
 from .kernels.configs import EXPERT_ROWS
+from .kernels.routes import route_keys as route_keys_kernel
 from .kernels.routes import route_rows as route_rows_kernel
 from .kernels.routes import route_table as route_table_kernel
 from .library import define
@@ -42,24 +44,40 @@ def max_tiles(slots: int, num_experts: int) -> int:
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     """The grouped rows of ``top_k_index`` [T, k] (expert ids in ``[0, num_experts)``)."""
-    experts = top_k_index.reshape(-1)
-    slots = experts.numel()
-    # An id outside the experts would be cast to another expert's below: refused on the device,
-    # without waiting for it (on a GPU a device-side assert, as an index out of bounds raises).
-    if slots:
-        lowest, highest = torch.aminmax(experts)
-        in_range = (lowest >= 0) & (highest < num_experts)
-        torch._assert_async(in_range, f"top_k_index holds expert ids outside [0, {num_experts})")
-    # The narrowest key that holds every expert id: a radix sort's passes.
-    key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
-    sorted_ids, order = torch.sort(experts.to(key), stable=True)  # order: the slot of each row
+    slots = top_k_index.numel()
+    # The narrowest key that holds every expert id and one past them: a radix sort's passes.
+    key = torch.uint8 if num_experts < 2**8 else torch.int16 if num_experts < 2**15 else torch.int32
+    keys = route_keys(top_k_index.reshape(-1), num_experts, key)  # an id outside: past every group
+    sorted_ids, order = torch.sort(keys, stable=True)  # order: the slot of each row
     rows, tokens = route_rows(order, top_k_index.shape[1])
     tiles, used_tiles, ends = route_table(sorted_ids, num_experts, max_tiles(slots, num_experts))
+    # Refused on the device, without waiting for it (on a GPU a device-side assert, as an index out
+    # of bounds raises): with an id outside the experts, the last group ends before the last slot.
+    if slots:
+        in_range = ends[-1] == slots
+        torch._assert_async(in_range, f"top_k_index holds expert ids outside [0, {num_experts})")
     return Routes(rows, order, tokens, tiles, used_tiles, ends)
 
 
 def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def _route_keys(ids, num_experts, key):
+    """The sort keys of the expert ids (``key``): one kernel (kernels/routes.py) where Triton runs,
+    else the same in PyTorch."""
+    if _triton_runs_on(ids.device):
+        return route_keys_kernel(ids.contiguous(), num_experts, key)
+    return torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(key)
+
+
+def _route_keys_fake(ids, num_experts, key):
+    return ids.new_empty(ids.shape, dtype=key)
+
+
+route_keys = define(
+    "route_keys(Tensor ids, int num_experts, ScalarType key) -> Tensor", _route_keys, _route_keys_fake
+)
 
 
 def _route_rows(order, k):

@@ -39,7 +39,15 @@ from ..kernels.common import CHUNK, Saved
 from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
-from ..kernels.routes import FILL_BLOCK, ROUTE_WARPS, _route_table_kernel, expert_lanes, route_block
+from ..kernels.routes import (
+    FILL_BLOCK,
+    ROUTE_WARPS,
+    ROWS_BLOCK,
+    _route_keys_kernel,
+    _route_table_kernel,
+    expert_lanes,
+    route_block,
+)
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
@@ -377,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(label)
     # The routed experts' row-tile table, from 1 to 1024 experts (its [BT, E] stores in registers).
     for experts in (1, 3, 8, 64, 128, 256, 512, 1024):
-        ids = "*u8" if experts <= 256 else "*i16"  # the sort's key (routing.py)
+        ids = "*u8" if experts < 256 else "*i16"  # the sort's key (routing.py)
         signature = {"ids_ptr": ids, "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
         signature |= dict.fromkeys(("S", "E", "T", "steps"), "i32")
         signature |= dict.fromkeys(("ROWS", "E_P2", "BT", "FILL"), "constexpr")
@@ -389,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         kernel = triton.compile(source, target=target, options={"num_warps": ROUTE_WARPS})
         label = f"route table, {experts} experts (routed experts)"
         if not _report(label, f"{constants['BT']}x{constants['E_P2']}", resources(kernel), "tf32", limit):
+            failed.append(label)
+    # The routed experts' sort keys, from int32 and int64 ids into each key the routing picks.
+    for ids, keys in itertools.product(("*i32", "*i64"), ("*u8", "*i16", "*i32")):
+        signature = {"ids_ptr": ids, "keys_ptr": keys, "S": "i32", "E": "i32", "B": "constexpr"}
+        source = ASTSource(_route_keys_kernel, signature, {"B": ROWS_BLOCK})
+        kernel = triton.compile(source, target=target, options={"num_warps": 4})
+        label = f"route keys, {ids[1:]} ids to {keys[1:]} (routed experts)"
+        if not _report(label, str(ROWS_BLOCK), resources(kernel), "tf32", limit):
             failed.append(label)
     # The traced backward op's variant, storing into a gradient buffer of its own (one more descriptor).
     for name, save in itertools.product(args.shapes, (Saved.FACTORS, Saved.PREACT)):

@@ -1,5 +1,9 @@
-"""The routed experts' routes (routing.py) in two kernel launches, from the slots' expert ids sorted:
+"""The routed experts' routes (routing.py) in three kernel launches around the sort of the slots'
+expert ids:
 
+* the keys: each slot's expert id in the sort's narrow key, an id outside the experts made the
+  key past the last expert (so that the sort moves it past every group, where the groups' last end
+  shows it);
 * the rows: each slot's grouped row, and each row's token, from the sort's order;
 * the row-tile table: every expert's group of rows is a run of equal sorted ids, so one program
   finds each group by binary search and writes the groups' end rows, the tiles in use and, for
@@ -89,6 +93,15 @@ def _route_table_kernel(
 
 
 @triton.jit
+def _route_keys_kernel(ids_ptr, keys_ptr, S, E, B: tl.constexpr):
+    offs = tl.program_id(0) * B + tl.arange(0, B)
+    m = offs < S
+    ids = tl.load(ids_ptr + offs, mask=m, other=0)
+    keys = tl.where((ids >= 0) & (ids < E), ids, E)
+    tl.store(keys_ptr + offs, keys.to(keys_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _route_rows_kernel(order_ptr, rows_ptr, tokens_ptr, S, K, B: tl.constexpr):
     offs = tl.program_id(0) * B + tl.arange(0, B)
     m = offs < S
@@ -99,8 +112,9 @@ def _route_rows_kernel(order_ptr, rows_ptr, tokens_ptr, S, K, B: tl.constexpr):
 
 _launch = KernelLauncher(_route_table_kernel)
 _launch_rows = KernelLauncher(_route_rows_kernel)
+_launch_keys = KernelLauncher(_route_keys_kernel)
 
-#: Rows per program of the rows kernel.
+#: Slots per program of the keys and rows kernels.
 ROWS_BLOCK = 1024
 
 ROUTE_WARPS = 4
@@ -161,3 +175,15 @@ def route_rows(order: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     if slots:
         _launch_rows((cdiv(slots, ROWS_BLOCK),), order, rows, tokens, slots, k, B=ROWS_BLOCK)
     return rows, tokens
+
+
+def route_keys(ids: torch.Tensor, num_experts: int, key_dtype: torch.dtype) -> torch.Tensor:
+    """The sort keys [S] (``key_dtype``, which must hold ``num_experts``) of the expert ids ``ids``
+    [S] (contiguous, integers): each id in ``[0, num_experts)`` as it is, any other
+    ``num_experts``."""
+    if ids.dim() != 1 or ids.stride(0) != 1 or num_experts < 1:
+        raise ValueError(f"expected contiguous [S] ids and experts >= 1, got {tuple(ids.shape)}")
+    keys = torch.empty(ids.shape, dtype=key_dtype, device=ids.device)
+    if ids.numel():
+        _launch_keys((cdiv(ids.numel(), ROWS_BLOCK),), ids, keys, ids.numel(), num_experts, B=ROWS_BLOCK)
+    return keys
