@@ -55,12 +55,12 @@ def _backward_epilogue(
     s_ptr,  # the saved tensor, a and the rows' routing weights as pointers (routed experts), else None
     a_ptr,
     r_ptr,
-    p_ptr,  # [M, NP] fp32 partial row sums of the routing weights' gradient, or None
+    p_ptr,  # [pieces, M] fp32 partial row sums of the routing weights' gradient, or None
     o_m,
     o_n,
     end,  # the end row of the tile's group (routed experts)
     N,
-    NP,
+    P_STRIDE,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,
@@ -80,7 +80,7 @@ def _backward_epilogue(
         # is loaded (fewer registers live at once).
         b_a = a_desc.load([o_m, o_n]).to(tl.float32)
         if p_ptr is not None:
-            tl.store(p_ptr + rows.to(tl.int64) * NP + o_n // W, tl.sum(b_da * b_a, axis=1), mask=live)
+            tl.store(p_ptr + (o_n // W).to(tl.int64) * P_STRIDE + rows, tl.sum(b_da * b_a, axis=1), mask=live)
         if WRITE_A:
             store_tile(a_desc, a_ptr, (b_a * b_w[:, None]).to(a_desc.dtype), o_m, o_n, end, N, BM, W)
     b_first, b_second = unpack_columns(s_desc.load([o_m, 2 * o_n]).to(tl.float32), BM, 2 * W, CHUNK_)
@@ -90,7 +90,7 @@ def _backward_epilogue(
         b_silu, b_slope = silu_and_slope(b_g)
         b_a = b_silu * b_first * down_multiplier
         if p_ptr is not None:
-            tl.store(p_ptr + rows.to(tl.int64) * NP + o_n // W, tl.sum(b_da * b_a, axis=1), mask=live)
+            tl.store(p_ptr + (o_n // W).to(tl.int64) * P_STRIDE + rows, tl.sum(b_da * b_a, axis=1), mask=live)
         if r_ptr is not None:
             b_a = b_a * b_w[:, None]  # a * w, what dW_down reads
         if WRITE_A:
@@ -123,11 +123,11 @@ def _glu_backward_kernel(
     s_ptr,  # the saved tensor and a again, for the masked stores (with t_ptr)
     a_ptr,
     r_ptr,  # [M] routing weight of each row (with t_ptr)
-    p_ptr,  # [M, NP] fp32 partial sums of the routing weights' gradient, or None
+    p_ptr,  # [pieces, M] fp32 partial sums of the routing weights' gradient, or None
     M,
     N,
     K,
-    NP,
+    P_STRIDE,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,
@@ -180,7 +180,7 @@ def _glu_backward_kernel(
                 o_n,
                 end,
                 N,
-                NP,
+                P_STRIDE,
                 gate_multiplier,
                 down_multiplier,
                 SAVE,
@@ -206,7 +206,7 @@ def _glu_backward_kernel(
                     o_n,
                     end,
                     N,
-                    NP,
+                    P_STRIDE,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -228,7 +228,7 @@ def _glu_backward_kernel(
                     o_n + W,
                     end,
                     N,
-                    NP,
+                    P_STRIDE,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -253,7 +253,7 @@ def _glu_backward_kernel(
                     o_n,
                     end,
                     N,
-                    NP,
+                    P_STRIDE,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -275,7 +275,7 @@ def _glu_backward_kernel(
                     o_n + W,
                     end,
                     N,
-                    NP,
+                    P_STRIDE,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -297,7 +297,7 @@ def _glu_backward_kernel(
                     o_n + 2 * W,
                     end,
                     N,
-                    NP,
+                    P_STRIDE,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -319,7 +319,7 @@ def _glu_backward_kernel(
                     o_n + 3 * W,
                     end,
                     N,
-                    NP,
+                    P_STRIDE,
                     gate_multiplier,
                     down_multiplier,
                     SAVE,
@@ -423,7 +423,7 @@ def routed_glu_backward_(
     # One partial sum per row and epilogue piece, summed after the kernel: no atomics, the same
     # result every run.
     pieces = cdiv(inter, cfg.block_n) * cfg.epilogue_split
-    partials = torch.empty((m, pieces), dtype=torch.float32, device=dy_rows.device) if need_row_grad else None
+    partials = torch.empty((pieces, m), dtype=torch.float32, device=dy_rows.device) if need_row_grad else None
     row_tiles = tiles.shape[0] * (EXPERT_ROWS // cfg.block_m)
     num_tiles = row_tiles * cdiv(inter, cfg.block_n)
     _launch_backward(
@@ -442,7 +442,7 @@ def routed_glu_backward_(
         m,
         inter,
         hidden,
-        pieces,
+        m,  # the partials: one row of m per piece
         1.0,
         1.0,
         SAVE=int(save),
@@ -452,4 +452,4 @@ def routed_glu_backward_(
         ROWS=EXPERT_ROWS,
         **cfg.kernel_meta(),
     )
-    return (None if partials is None else partials.sum(1)), (a if write_scaled_a else None)
+    return (None if partials is None else partials.sum(0)), (a if write_scaled_a else None)

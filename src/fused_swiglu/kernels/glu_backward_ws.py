@@ -198,7 +198,7 @@ if AVAILABLE:
         """Piece ``g`` of a routed tile (saved factors): ``b_da`` [BM, W] is the gradient of ``a * w``
         for intermediate columns [o_n, o_n + W) of rows [o_m, end); its routing weights' gradient
         (a partial row sum), ``a * w`` over ``a`` (``WRITE_A``) and [dU | dG] over the factors."""
-        r_ptr, p_ptr, s_ptr, a_ptr, N, NP = routed
+        r_ptr, p_ptr, s_ptr, a_ptr, N, P_STRIDE = routed
         s_bufs, s_ready, s_free = saved
         NSAVED: gl.constexpr = s_bufs.type.shape[0]
         BM: gl.constexpr = b_da.shape[0]
@@ -214,7 +214,7 @@ if AVAILABLE:
         b_a = a_buf.load(b_da.type.layout).to(gl.float32)
         if p_ptr is not None:
             # One partial sum per row and piece, summed after the kernel: the same result every run.
-            gl.store(p_ptr + rows.to(gl.int64) * NP + o_n // W, gl.sum(b_da * b_a, axis=1), mask=live)
+            gl.store(p_ptr + (o_n // W).to(gl.int64) * P_STRIDE + rows, gl.sum(b_da * b_a, axis=1), mask=live)
         if WRITE_A:
             a_buf.store((b_a * b_w[:, None]).to(a_desc.dtype))  # a * w, what dW_down reads
         b_da = b_da * b_w[:, None]  # the gradient of a
@@ -384,7 +384,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _routed_backward_pp_kernel(
-        dy_desc, wd_desc, s_desc, a_desc, t_ptr, used_ptr, r_ptr, p_ptr, s_ptr, a_ptr, N, K, NP,
+        dy_desc, wd_desc, s_desc, a_desc, t_ptr, used_ptr, r_ptr, p_ptr, s_ptr, a_ptr, N, K, P_STRIDE,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, NSAVED: gl.constexpr, LAG: gl.constexpr,
         CHUNK_: gl.constexpr, WRITE_A: gl.constexpr, WORKER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         num_warps: gl.constexpr
@@ -402,7 +402,7 @@ if AVAILABLE:
         problem = (gl.load(used_ptr) * BM, N, K, gl.program_id(0), gl.num_programs(0))
         turn0 = (turns.index(0), turns.index(1))
         turn1 = (turns.index(1), turns.index(0))
-        routed = (r_ptr, p_ptr, s_ptr, a_ptr, N, NP)
+        routed = (r_ptr, p_ptr, s_ptr, a_ptr, N, P_STRIDE)
         gl.warp_specialize(
             [
                 (
@@ -515,7 +515,7 @@ def routed_glu_backward_ws_(
     width = c.piece_width
     # Every piece of every column tile has its partial sum (0 past the width), so each is written.
     pieces = cdiv(inter, c.block_n) * c.pieces
-    partials = torch.empty((m, pieces), dtype=torch.float32, device=dy_rows.device) if need_row_grad else None
+    partials = torch.empty((pieces, m), dtype=torch.float32, device=dy_rows.device) if need_row_grad else None
     tile_count = tiles.shape[0] * cdiv(inter, c.block_n)
     _launch_routed_backward(
         (persistent_programs(cdiv(tile_count, 2), dy_rows.device),),
@@ -531,9 +531,9 @@ def routed_glu_backward_ws_(
         a,
         inter,
         hidden,
-        pieces,
+        m,  # the partials: one row of m per piece
         NSAVED=c.saved_buffers,
         WRITE_A=write_scaled_a,
         **c.meta(),
     )
-    return (None if partials is None else partials.sum(1)), (a if write_scaled_a else None)
+    return (None if partials is None else partials.sum(0)), (a if write_scaled_a else None)
