@@ -30,7 +30,7 @@ ROUNDS = 5
 BLOCKS = [
     (*combine_module.GPU_BLOCK, 4),
     (16, 256, 4),
-    (*combine_module.GATHER_BLOCK, 4),
+    (32, 256, 4),
     (32, 256, 8),
     (16, 512, 4),
 ]

@@ -162,7 +162,7 @@ def backward_kernel(
         descriptors["a_desc"] = _descriptor_type([cfg.block_m, width], dtype)
     else:
         constants["a_desc"] = None
-    scalars = {"M": "i32", "N": "i32", "K": "i32", "NP": "i32", "gate_multiplier": "fp32"}
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "P_STRIDE": "i32", "gate_multiplier": "fp32"}
     scalars["down_multiplier"] = "fp32"
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     routed = {"t_ptr": "*i32", "used_ptr": "*i32", "s_ptr": pointer, "a_ptr": pointer, "r_ptr": pointer}
@@ -243,7 +243,7 @@ def routed_ping_pong_backward_kernel(
     blocks |= {"s_desc": [c.block_m, 2 * width], "a_desc": [c.block_m, width]}
     element = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     scalars = {"t_ptr": "*i32", "used_ptr": "*i32", "r_ptr": "*fp32", "s_ptr": element, "a_ptr": element}
-    scalars |= dict.fromkeys(("N", "K", "NP"), "i32")
+    scalars |= dict.fromkeys(("N", "K", "P_STRIDE"), "i32")
     constants = {"NSAVED": c.saved_buffers, "WRITE_A": True}
     if row_grad:
         scalars["p_ptr"] = "*fp32"
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         signature |= dict.fromkeys(("T", "H", "stride_src", "stride_out"), "i32")
         signature |= dict.fromkeys(("K", "WEIGHTED", "BT", "BH"), "constexpr")
         signature = {name: signature[name] for name in _combine_kernel.arg_names}
-        block = combine_block(top_k)
+        block = combine_block()
         constants = {"K": top_k, "WEIGHTED": weighted, "BT": block[0], "BH": block[1]}
         source = ASTSource(_combine_kernel, signature, constants)
         kernel = triton.compile(source, target=target, options={"num_warps": COMBINE_WARPS})

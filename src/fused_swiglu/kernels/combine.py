@@ -58,15 +58,12 @@ _launch_combine = KernelLauncher(_combine_kernel)
 #: loads in flight stay within 128 registers a thread, which a 16-token block exceeded (it spilled).
 GPU_BLOCK = (8, 256)
 GPU_WARPS = 4
-#: The gather's block (one row per output): larger copies per program.
-GATHER_BLOCK = (32, 256)
 
 
-def combine_block(k: int) -> tuple[int, int]:
-    """(tokens, columns) of one program's block for ``k`` rows per token."""
-    if interpreting():
-        return (4, 16)
-    return GATHER_BLOCK if k == 1 else GPU_BLOCK
+def combine_block() -> tuple[int, int]:
+    """(tokens, columns) of one program's block, at every number of rows per token (the gather's
+    one included: larger blocks copied no faster)."""
+    return (4, 16) if interpreting() else GPU_BLOCK
 
 
 def combine(
@@ -88,7 +85,7 @@ def combine(
     out = torch.empty(tokens, hidden, dtype=src.dtype, device=src.device)
     if tokens == 0 or hidden == 0:
         return out
-    block_t, block_h = combine_block(k)
+    block_t, block_h = combine_block()
     grid = (cdiv(tokens, block_t), cdiv(hidden, block_h))
     _launch_combine(
         grid,
