@@ -23,27 +23,9 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-from fused_swiglu.bench.experts import EXPERT_SHAPES, ROUTINGS, build_step, routing
+from fused_swiglu.bench.experts import EXPERT_SHAPES, ROUTINGS, build_step, step_inputs
 from fused_swiglu.bench.measure import rotation
 from fused_swiglu.bench.report import start_gpu_log
-
-
-def data(shape: tuple[int, int, int, int], kind: str, tokens: int, global_dy: bool):
-    """``bench --experts``' inputs (``measure_experts``), dy optionally from the global generator."""
-    hidden, inter, experts, top_k = shape
-    device = torch.device("cuda")
-    g = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-    index, weights = routing(tokens, experts, top_k, kind, device)
-    weights.requires_grad_()
-    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=x.dtype, generator=g)
-    down = torch.randn(experts, hidden, inter, device=device, dtype=x.dtype, generator=g)
-    gate_up, down = gate_up * hidden**-0.5, down * inter**-0.5
-    if global_dy:
-        dy = torch.randn(tokens, hidden, device=device, dtype=x.dtype)
-    else:
-        dy = torch.randn(tokens, hidden, device=device, dtype=x.dtype, generator=g)
-    return x, index, weights, gate_up, down, dy
 
 
 def timed(calls: dict, rounds: int, rep_ms: int) -> dict[str, list[float]]:
@@ -56,7 +38,9 @@ def timed(calls: dict, rounds: int, rep_ms: int) -> dict[str, list[float]]:
 
 
 def condition(label: str, shape, kind, tokens, *, rounds=2, rep_ms=100, global_dy=False, twice=False):
-    x, index, weights, gate_up, down, dy = data(shape, kind, tokens, global_dy)
+    x, index, weights, gate_up, down, dy = step_inputs(shape, kind, tokens, torch.bfloat16)
+    if global_dy:
+        dy = torch.randn_like(dy)  # as experts_gather.py draws it
     floor, _, _ = build_step("floor", x, index, weights, gate_up, down, dy)
     fused, _, params = build_step("fused", x, index, weights, gate_up, down, dy)
     fused()  # the first call compiles

@@ -140,6 +140,21 @@ def kept_mib(forward: Callable[[], torch.Tensor]) -> float:
     return kept
 
 
+def step_inputs(shape: tuple[int, int, int, int], kind: str, tokens: int, dtype: torch.dtype):
+    """(x, top-k index, top-k weights, stock gate/up and down weights, dy) of one step on the GPU, from
+    fixed seeds; x and the routing weights require gradients."""
+    hidden, inter, experts, top_k = shape
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g).requires_grad_()
+    index, weights = routing(tokens, experts, top_k, kind, device)
+    weights.requires_grad_()
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype, generator=g) * hidden**-0.5
+    down = torch.randn(experts, hidden, inter, device=device, dtype=dtype, generator=g) * inter**-0.5
+    dy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
+    return x, index, weights, gate_up, down, dy
+
+
 def measure_experts(
     shape: tuple[int, int, int, int],
     kind: str,
@@ -150,15 +165,7 @@ def measure_experts(
     dtype: torch.dtype = torch.bfloat16,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    hidden, inter, experts, top_k = shape
-    device = torch.device("cuda")
-    g = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g).requires_grad_()
-    index, weights = routing(tokens, experts, top_k, kind, device)
-    weights.requires_grad_()
-    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype, generator=g) * hidden**-0.5
-    down = torch.randn(experts, hidden, inter, device=device, dtype=dtype, generator=g) * inter**-0.5
-    dy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
+    x, index, weights, gate_up, down, dy = step_inputs(shape, kind, tokens, dtype)
     steps, rows = {}, {}
     for impl in impls:
         built = build_step(impl, x, index, weights, gate_up, down, dy)
