@@ -19,11 +19,11 @@ import torch
 from fused_swiglu.bench.experts import EXPERT_SHAPES, routing
 from fused_swiglu.bench.measure import interleaved_medians
 from fused_swiglu.bench.report import start_gpu_log
+from fused_swiglu.experts.routing import route
 from fused_swiglu.kernels.common import Saved
 from fused_swiglu.kernels.configs import TileConfig, backward_config
 from fused_swiglu.kernels.glu_backward import routed_glu_backward_
 from fused_swiglu.kernels.glu_forward import glu_forward
-from fused_swiglu.routing import route
 
 CANDIDATES = {
     "128x256 s3 e4": TileConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_split=4),

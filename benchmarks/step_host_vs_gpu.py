@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from fused_swiglu.bench.model import RunSpec, _build_model
 from fused_swiglu.bench.report import start_gpu_log
+from fused_swiglu.bench.training import RunSpec, build_model
 
 PROFILED_STEPS = 3
 GAP_US = 5  # GPU idle shorter than this is not counted as a gap
@@ -120,7 +120,7 @@ def analyse_trace(variant: str, path: str) -> None:
 def run(spec: RunSpec, trace_dir: str | None) -> None:
     """Train ``spec``'s model in this process and print what it measured."""
     probe(spec.variant, "before the model")
-    model = _build_model(spec)
+    model = build_model(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batch = max(1, spec.tokens // spec.sequence)
     data = torch.randint(0, spec.vocab, (batch, spec.tokens // batch), device="cuda")

@@ -1,4 +1,4 @@
-"""Routed SwiGLU experts (experts.py, routing.py, experts_ops.py): outputs and every gradient (x, the
+"""Routed SwiGLU experts (experts/: routed.py, routing.py, ops.py): outputs and every gradient (x, the
 routing weights, both expert weights) against a float64 reference by the accuracy rule, on ragged
 routings with empty experts and top-k from 1 to 8; the module against transformers' expert modules,
 their checkpoint layout, and a compiled model as one graph."""
@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fused_swiglu import SwiGLUExperts, swiglu_experts
-from fused_swiglu.experts import pack_experts, reference_swiglu_experts, unpack_experts
+from fused_swiglu.experts.routed import pack_experts, reference_swiglu_experts, unpack_experts
+from fused_swiglu.experts.routing import max_tiles, route
 from fused_swiglu.kernels.configs import EXPERT_ROWS
 from fused_swiglu.layout import CHUNK
-from fused_swiglu.routing import max_tiles, route
 from fused_swiglu.testing import accuracy_rows, relative_error
 
 NAMES = ("y", "x", "weights", "gate_up", "down")
@@ -76,7 +76,7 @@ def test_experts_match_float64_reference(device, case, save):
 @pytest.mark.parametrize("save", ["factors", "preact", "recompute"])
 def test_experts_half_precision_within_twice_eager_error(device, save, by_index, monkeypatch):
     """Both ways the gate/up kernel takes x's rows (kernels/configs.py chooses by the experts' width)."""
-    from fused_swiglu import experts_ops
+    from fused_swiglu.experts import ops as experts_ops
 
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # bf16 tl.dot is wrong on CPU
     args = problem(96, 64, 48, 8, 2, device, skew=True)
@@ -135,8 +135,8 @@ def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
     """The table from the sorted ids in one kernel equals the PyTorch construction entry for entry
     (the unused entries too), with experts that receive nothing, ids wider than a byte, ids keyed
     past the experts, and slot counts at and beside powers of two (the binary search's step count)."""
-    from fused_swiglu.kernels.routes import route_table
-    from fused_swiglu.routing import _route_table_reference
+    from fused_swiglu.experts.kernels.routes import route_table
+    from fused_swiglu.experts.routing import _route_table_reference
 
     g = torch.Generator().manual_seed(tokens)
     index = torch.randint(0, experts, (tokens, k), generator=g)
@@ -158,7 +158,7 @@ def test_route_table_kernel_matches_pytorch(device, tokens, k, experts):
 def test_route_keys_kernel_matches_pytorch(device, experts, key, index_dtype):
     """The sort keys in one kernel equal PyTorch's: ids in range kept, ids outside (negative, at and
     past the expert count) made the expert count, over more slots than a program's block."""
-    from fused_swiglu.kernels.routes import route_keys
+    from fused_swiglu.experts.kernels.routes import route_keys
 
     g = torch.Generator().manual_seed(experts)
     ids = torch.randint(0, experts, (2500,), generator=g, dtype=torch.int64)
@@ -172,7 +172,7 @@ def test_route_keys_kernel_matches_pytorch(device, experts, key, index_dtype):
 def test_route_rows_kernel_matches_pytorch(device, k):
     """Each slot's row and each row's token from the sort's order, in one kernel, equal to the
     PyTorch scatter and division (rows past a program's block included: 1500 slots)."""
-    from fused_swiglu.kernels.routes import route_rows
+    from fused_swiglu.experts.kernels.routes import route_rows
 
     order = torch.randperm(1500 // k * k, generator=torch.Generator().manual_seed(k)).to(device)
     rows, tokens = route_rows(order, k)
@@ -183,7 +183,7 @@ def test_route_rows_kernel_matches_pytorch(device, k):
 
 def test_routes_in_pytorch_equal_the_kernels(device, monkeypatch):
     """Where Triton does not run, route() builds the same routes in PyTorch."""
-    from fused_swiglu import routing
+    from fused_swiglu.experts import routing
 
     index = torch.randint(0, 7, (300, 2), generator=torch.Generator().manual_seed(3)).to(device)
     index[index == 4] = 0  # expert 4 empty
@@ -200,7 +200,7 @@ def test_route_of_no_slots(device):
 
 
 def test_route_ops_pass_opcheck(device):
-    from fused_swiglu.routing import route_keys, route_rows, route_table
+    from fused_swiglu.experts.routing import route_keys, route_rows, route_table
 
     ids = torch.sort(torch.randint(0, 5, (40,), dtype=torch.uint8, device=device), stable=True)[0]
     results = torch.library.opcheck(route_table, (ids, 6, max_tiles(40, 6)))
@@ -467,7 +467,7 @@ def test_x_rows_are_freed_before_dx_rows_are_made(device, save, monkeypatch):
     alive together: x's rows are gone when the grouped GEMM making dX's rows runs."""
     import weakref
 
-    from fused_swiglu import experts_ops
+    from fused_swiglu.experts import ops as experts_ops
 
     hidden, inter = 48, 16  # x's rows [P, 48], dy's rows [P, 48], [dU | dG] [P, 32]: told apart by width
     x, index, weights, gate_up, down, dy = problem(21, hidden, inter, 4, 2, device)
@@ -777,7 +777,7 @@ def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype, we
     """The combine of y's rows (each times its slot's weight) and dX's rows: each token's k rows
     summed in fp32 and rounded once, as accurate as eager PyTorch's gather-scale-sum against
     float64; every output written."""
-    from fused_swiglu.kernels.combine import combine
+    from fused_swiglu.experts.kernels.combine import combine
 
     tokens, hidden, k = size
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
@@ -797,8 +797,8 @@ def test_combine_sums_each_tokens_rows_in_one_pass(device, size, index_dtype, we
 def test_gather_of_routed_rows_is_exact(device, size, dtype):
     """The routed rows' gather (the combine with one row per output, and the ops' helper): each row
     equal to indexing, bit for bit, with rows repeated and unread, over more rows than a block."""
-    from fused_swiglu.experts_ops import _gathered
-    from fused_swiglu.kernels.combine import combine
+    from fused_swiglu.experts.kernels.combine import combine
+    from fused_swiglu.experts.ops import _gathered
 
     tokens, hidden, rows_out = size
     g = torch.Generator().manual_seed(rows_out)
@@ -811,7 +811,7 @@ def test_gather_of_routed_rows_is_exact(device, size, dtype):
 
 
 def test_combine_refuses_weights_of_another_shape(device):
-    from fused_swiglu.kernels.combine import combine
+    from fused_swiglu.experts.kernels.combine import combine
 
     src, rows = torch.zeros(6, 8, device=device), torch.arange(6, device=device)
     with pytest.raises(ValueError, match="weights"):
@@ -822,7 +822,7 @@ def test_combine_refuses_weights_of_another_shape(device):
 @pytest.mark.parametrize("k", [1, 2])
 def test_combine_op_passes_opcheck(device, k, weighted):
     """Schema (no input changed), fake implementation and AOT dispatch of the combine op."""
-    from fused_swiglu.experts_ops import experts_combine
+    from fused_swiglu.experts.ops import experts_combine
 
     src = torch.randn(2 * 11 + 1, 24, device=device)
     rows = torch.randperm(2 * 11 + 1, device=device)[: 11 * k]
@@ -837,7 +837,7 @@ def test_ops_fake_implementations_match(device, save):
     of one real call, output by output (the backward overwrites what was kept: opcheck would flag it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fused_swiglu.experts_ops import experts_backward_down, experts_backward_gate_up, experts_forward
+    from fused_swiglu.experts.ops import experts_backward_down, experts_backward_gate_up, experts_forward
 
     x, index, weights, gate_up, down, dy = problem(21, 32, 16, 4, 2, device)
     routes = route(index, 4)

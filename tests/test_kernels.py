@@ -14,13 +14,17 @@ from fused_swiglu.kernels import glu_backward_ws as glu_backward_ws_mod
 from fused_swiglu.kernels import glu_forward_ws as glu_forward_ws_mod
 from fused_swiglu.kernels import hopper_ws, launch
 from fused_swiglu.kernels.common import Saved, cdiv, next_power_of_2
-from fused_swiglu.kernels.configs import TileConfig, backward_is_warp_specialized, forward_is_warp_specialized
+from fused_swiglu.kernels.configs import (
+    PING_PONG_MAX_HIDDEN,
+    TileConfig,
+    backward_is_warp_specialized,
+    forward_is_warp_specialized,
+)
 from fused_swiglu.kernels.glu_activation import glu_activation
 from fused_swiglu.kernels.glu_backward import glu_backward_
 from fused_swiglu.kernels.glu_backward_ws import (
     CONFIGS,
     PING_PONG,
-    PING_PONG_MAX_HIDDEN,
     WSConfig,
     backward_config,
     glu_backward_ws_,

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fused_swiglu.bench.model import RunSpec, host_profile, run_variant
+from fused_swiglu.bench.training import RunSpec, host_profile, run_variant
 
 pytest.importorskip("transformers")
 

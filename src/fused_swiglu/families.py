@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from .experts_swap import experts_mismatch, has_expert_weights
+from .experts.swap import experts_mismatch, has_expert_weights
 from .integrations import _is_candidate, _mismatch, swap_swiglu_mlps
 
 #: Small sizes, set where a family's config has the attribute.

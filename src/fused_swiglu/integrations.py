@@ -11,9 +11,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .distributed import DISTRIBUTED, is_distributed
 from .experts import SwiGLUExperts
-from .experts_ops import EXPERTS_SAVE_MODES
-from .experts_swap import experts_forward_differs, experts_mismatch, has_expert_weights
+from .experts.ops import EXPERTS_SAVE_MODES
+from .experts.swap import experts_forward_differs, experts_mismatch, has_expert_weights
 from .functional import DEFAULT_SAVE, SaveMode, check_save_mode
 from .layout import CHUNK, pack_gate_up
 from .lora import base_of, is_lora_layer
@@ -27,7 +28,6 @@ from .mlp_layouts import (
     layout_of,
 )
 from .nn import SwiGLUMLP, fused_forward
-from .tensor_parallel import DISTRIBUTED, is_distributed
 
 _LOG = logging.getLogger("fused_swiglu")
 
@@ -207,7 +207,7 @@ def swap_swiglu_mlps(
     (weights not materialised yet) cannot be compared and are swapped as built. ``save`` goes to every
     ``SwiGLUMLP``.
 
-    Routed experts in transformers' standard layout (experts_swap.py: Mixtral, Qwen2/3-MoE,
+    Routed experts in transformers' standard layout (experts/swap.py: Mixtral, Qwen2/3-MoE,
     DeepSeek-V3, OLMoE, ...) become ``SwiGLUExperts`` with the same weights and checkpoint layout, their
     router left as it is; with ``save="preact"`` they keep the factors (the experts have no
     pre-activation mode).

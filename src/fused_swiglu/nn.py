@@ -17,6 +17,7 @@ import numbers
 import torch
 from torch import nn
 
+from .distributed import is_tensor_parallel, tensor_parallel_glu, tensor_parallel_mlp
 from .functional import (
     DEFAULT_SAVE,
     LINEAR_SAVE_MODES,
@@ -28,7 +29,6 @@ from .functional import (
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
 from .lora import PackedBase, is_lora_layer, low_rank_term
 from .mlp_layouts import CHECKPOINT_KEYS, CheckpointKeys, check_swiglu_mlp, gate_up_weights, multiplier_of
-from .tensor_parallel import is_tensor_parallel, tensor_parallel_glu, tensor_parallel_mlp
 
 _PACKED, _STACKED = "gate_up_proj", "gate_up_proj.weight"
 

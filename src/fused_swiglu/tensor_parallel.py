@@ -15,25 +15,16 @@ Checkpoints keep the Hugging Face keys: the state-dict hooks hand out ``gate_pro
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .layout import CHUNK
-
-
-def _dtensor_api():
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.experimental import local_map
-
-    return DTensor, Partial, Replicate, Shard, distribute_tensor, local_map
+from .nn import SwiGLULinear, SwiGLUMLP
 
 
 def parallelize_swiglu(module: nn.Module, mesh) -> nn.Module:
     """Shard ``module`` (a ``SwiGLUMLP`` or ``SwiGLULinear``) over the 1-D ``mesh``, in place, and
     return it. Its forward then takes the same input on every rank and returns the MLP's output on
     every rank (the GLU operator: its intermediate columns, a DTensor sharded on the last dim)."""
-    from .nn import SwiGLULinear, SwiGLUMLP
-
     if not isinstance(module, (SwiGLUMLP, SwiGLULinear)):
         raise TypeError(f"parallelize_swiglu takes a SwiGLUMLP or SwiGLULinear, got {type(module).__name__}")
     if mesh.ndim != 1:
@@ -48,7 +39,8 @@ def parallelize_swiglu(module: nn.Module, mesh) -> nn.Module:
         raise TypeError(
             f"down_proj is a {type(module.down_proj).__name__}: only a plain nn.Linear is sharded"
         )
-    DTensor, _, _, Shard, distribute_tensor, _ = _dtensor_api()
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
     if isinstance(module.gate_up_proj, DTensor):
         raise ValueError("the module's parameters are already distributed")
 
@@ -59,58 +51,3 @@ def parallelize_swiglu(module: nn.Module, mesh) -> nn.Module:
     if isinstance(module, SwiGLUMLP):
         module.down_proj.weight = shard(module.down_proj.weight, 1)
     return module
-
-
-#: Why the swap leaves a module with distributed weights alone.
-DISTRIBUTED = (
-    "its weights are already distributed (DTensor: FSDP2 or a tensor-parallel plan such as transformers' "
-    "tp_plan); swap before sharding, then shard the fused modules (fused_swiglu.tensor_parallel."
-    "parallelize_swiglu for tensor parallelism, fully_shard for FSDP2)"
-)
-
-
-def is_distributed(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is a DTensor."""
-    if type(weight) in (nn.Parameter, torch.Tensor) or not torch.distributed.is_available():
-        return False
-    return isinstance(weight, _dtensor_api()[0])
-
-
-def is_tensor_parallel(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` (a module's packed parameter) was sharded by ``parallelize_swiglu``."""
-    if type(weight) in (nn.Parameter, torch.Tensor) or not torch.distributed.is_available():
-        return False  # every call asks: the common answer without an import
-    DTensor, _, _, Shard, _, _ = _dtensor_api()
-    return isinstance(weight, DTensor) and weight.placements == (Shard(0),)
-
-
-def tensor_parallel_mlp(fn, x: torch.Tensor, gate_up_weight, down_weight) -> torch.Tensor:
-    """``fn(x, gate_up, down)`` (the fused MLP) on each rank's shards, the parts summed over the mesh."""
-    DTensor, Partial, Replicate, Shard, _, local_map = _dtensor_api()
-    mesh = gate_up_weight.device_mesh
-    local = local_map(
-        fn,
-        out_placements=[Partial()],
-        in_placements=([Replicate()], [Shard(0)], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(0)], [Shard(1)]),
-        device_mesh=mesh,
-    )
-    plain = not isinstance(x, DTensor)
-    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False) if plain else x
-    y = local(x, gate_up_weight, down_weight).redistribute(mesh, [Replicate()])
-    return y.to_local() if plain else y
-
-
-def tensor_parallel_glu(fn, x: torch.Tensor, gate_up_weight) -> torch.Tensor:
-    """``fn(x, gate_up)`` (the GLU operator) on each rank's shard: ``a`` sharded on its last dim."""
-    DTensor, Partial, Replicate, Shard, _, local_map = _dtensor_api()
-    mesh = gate_up_weight.device_mesh
-    local = local_map(
-        fn,
-        out_placements=[Shard(x.dim() - 1)],
-        in_placements=([Replicate()], [Shard(0)]),
-        in_grad_placements=([Partial()], [Shard(0)]),
-        device_mesh=mesh,
-    )
-    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False) if not isinstance(x, DTensor) else x
-    return local(x, gate_up_weight)

@@ -32,14 +32,9 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
-from ..kernels.combine import GPU_WARPS as COMBINE_WARPS
-from ..kernels.combine import _combine_kernel, combine_block
-from ..kernels.common import CHUNK, Saved
-from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
-from ..kernels.glu_backward import _glu_backward_kernel
-from ..kernels.glu_forward import _glu_forward_kernel
-from ..kernels.routes import (
+from ..experts.kernels.combine import GPU_WARPS as COMBINE_WARPS
+from ..experts.kernels.combine import _combine_kernel, combine_block
+from ..experts.kernels.routes import (
     FILL_BLOCK,
     ROUTE_WARPS,
     ROWS_BLOCK,
@@ -48,6 +43,11 @@ from ..kernels.routes import (
     expert_lanes,
     route_block,
 )
+from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
+from ..kernels.common import CHUNK, Saved
+from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
+from ..kernels.glu_backward import _glu_backward_kernel
+from ..kernels.glu_forward import _glu_forward_kernel
 from .run import SHAPES
 
 #: Shared memory one block may use, per compute capability: Hopper and datacenter Blackwell 227 KB,
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(label)
     # The routed experts' row-tile table, from 1 to 1024 experts (its [BT, E] stores in registers).
     for experts in (1, 3, 8, 64, 128, 256, 512, 1024):
-        ids = "*u8" if experts < 256 else "*i16"  # the sort's key (routing.py)
+        ids = "*u8" if experts < 256 else "*i16"  # the sort's key (experts/routing.py)
         signature = {"ids_ptr": ids, "tiles_ptr": "*i32", "used_ptr": "*i32", "ends_ptr": "*i32"}
         signature |= dict.fromkeys(("S", "E", "T", "steps"), "i32")
         signature |= dict.fromkeys(("ROWS", "E_P2", "BT", "FILL"), "constexpr")

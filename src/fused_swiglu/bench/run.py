@@ -18,7 +18,6 @@ from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
 from .model import (
     EXTRA_VARIANTS,
-    GROUPED_VARIANTS,
     MODEL_SIZES,
     PRECISIONS,
     VARIANTS,
@@ -29,6 +28,7 @@ from .model import (
     side_by_side_groups,
 )
 from .report import provenance, provenance_header, shape_table, write_json, write_markdown, write_plots
+from .training import GROUPED_VARIANTS
 
 #: Half-precision dtypes the benchmark runs in (fp32 runs cuBLAS GEMMs: docs/design/kernel-choice.md).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

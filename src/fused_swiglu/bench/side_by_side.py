@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from .model import RunSpec, Training
+from .training import RunSpec, Training
 
 ANSWER = "@@fused-swiglu-worker "
 

@@ -145,14 +145,18 @@ def backward_is_warp_specialized(m: int, dtype: torch.dtype, on_gpu: bool, save:
     return _warp_specialized_runs(m, dtype, on_gpu) and save in (Saved.FACTORS, Saved.PREACT)
 
 
+#: Saved factors with at most this hidden size (the GEMM's K) take the warp-specialized backward's
+#: ping-pong launch (kernels/glu_backward_ws.py): faster there, and larger hidden sizes are unmeasured
+#: (docs/design/kernel-choice.md).
+PING_PONG_MAX_HIDDEN = 4096
+
+
 def routed_backward_is_warp_specialized(
     m: int, hidden: int, dtype: torch.dtype, on_gpu: bool, save: Saved
 ) -> bool:
     """Whether the routed experts' backward kernel is the warp-specialized ping-pong one
     (kernels/glu_backward_ws.py) rather than the Triton one: saved factors, at the hidden sizes the
     dense ping-pong launch takes (the GEMM's K; larger ones unmeasured)."""
-    from .glu_backward_ws import PING_PONG_MAX_HIDDEN
-
     return (
         save == Saved.FACTORS and hidden <= PING_PONG_MAX_HIDDEN and _warp_specialized_runs(m, dtype, on_gpu)
     )
@@ -164,7 +168,7 @@ INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, n
 
 
 #: Routed experts: the forward kernel walks each expert's group of rows in tiles of this many rows
-#: (routing.py), so that every tile belongs to one expert (a multiple of every forward tile's rows).
+#: (experts/routing.py), so that every tile belongs to one expert (a multiple of every forward tile's rows).
 EXPERT_ROWS = 128 if not interpreting() else INTERPRETER_CONFIG.block_m
 
 
@@ -200,7 +204,7 @@ def forward_config(
     if not on_gpu:
         return INTERPRETER_CONFIG
     if routed:
-        # Routed experts (a tile table, routing.py): Triton cannot flatten the persistent loop around
+        # Routed experts (a tile table, experts/routing.py): Triton cannot flatten the persistent loop around
         # the branch to a group's cut tile, and the cut tile's masked stores need registers that
         # only four epilogue pieces leave free (python -m fused_swiglu.bench.resources).
         dense = forward_config(m, hidden, inter, dtype, on_gpu, save, precision)

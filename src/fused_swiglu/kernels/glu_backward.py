@@ -7,7 +7,7 @@ becomes the packed grad of the gate/up pre-activation, ready for the two cuBLAS 
 dX = dGU @ W_packed and dW_packed = dGU^T @ x. With saved pre-activations the epilogue also
 recomputes ``a`` (times the down multiplier) for dW_down, so ``a`` is not kept between passes.
 
-Routed experts (``routed_glu_backward_``; a tile table as the forward kernel's, routing.py): dy's
+Routed experts (``routed_glu_backward_``; a tile table as the forward kernel's, experts/routing.py): dy's
 rows grouped by expert, each tile times its expert's down weight, y's rows having been computed from
 ``a * w`` (``w`` each row's routing weight). The epilogue also makes the routing weights' gradient
 (the row sum of ``a`` times the tile, one partial sum per row and piece, summed after the kernel:
@@ -397,7 +397,7 @@ def routed_glu_backward_(
     config: TileConfig | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The routed experts' backward of the down projections' input and the SwiGLU, one launch: rows
-    grouped by expert as the forward kernel's (routing.py), y's rows computed from ``a * w`` (``w``
+    grouped by expert as the forward kernel's (experts/routing.py), y's rows computed from ``a * w`` (``w``
     the row's routing weight, ``row_weights`` [P]).
 
     ``dy_rows`` [P, H] (TMA-addressable) and ``w_down`` [E, H, I] (contiguous); ``saved`` [P, 2I],

@@ -28,7 +28,7 @@ import torch
 
 from . import hopper_ws as ws
 from .common import Saved, cdiv, empty, gradient_target, persistent_programs
-from .configs import EXPERT_ROWS
+from .configs import EXPERT_ROWS, PING_PONG_MAX_HIDDEN
 from .hopper_ws import AVAILABLE, gluon_descriptor
 from .launch import KernelLauncher, Tma
 
@@ -79,9 +79,6 @@ class RoutedPingPongConfig(PingPongConfig):
 ROUTED_PING_PONG = RoutedPingPongConfig()
 
 
-#: Saved factors with at most this hidden size (the GEMM's K) take the ping-pong launch: faster there,
-#: and larger hidden sizes are unmeasured (docs/design/kernel-choice.md).
-PING_PONG_MAX_HIDDEN = 4096
 PING_PONG = PingPongConfig()
 
 

@@ -13,7 +13,7 @@ accumulator in registers and writes
 With a low-rank term (LoRA adapters on gate and up), one more ``tl.dot`` per tile adds
 ``u @ v^T`` (``u`` [M, R], ``v`` [2I, R] packed like the weight) to the accumulator before the epilogue.
 
-Routed experts (a tile table given, routing.py): the rows of every expert, grouped by expert with no
+Routed experts (a tile table given, experts/routing.py): the rows of every expert, grouped by expert with no
 padding, are either x's rows or, with a row index, x's rows read by index (each grouped row the
 index's row of x: no gathered copy of x is made); the weight holds every expert's packed rows one
 after another ([E * 2I, H]).
@@ -299,7 +299,7 @@ def glu_forward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``x`` [M, H] and ``w_packed`` [2I, H] must be TMA-addressable, as
     must ``low_rank`` = (u [M, R], v [2I, R]) if given (R a multiple of 16): ``u @ v^T`` is added to
-    the pre-activation. With ``experts`` = (tiles, used_tiles, E) (routing.py), ``w_packed`` is
+    the pre-activation. With ``experts`` = (tiles, used_tiles, E) (experts/routing.py), ``w_packed`` is
     [E, 2I, H] (contiguous) and rows are routed as the module docstring says (the tile's rows must
     divide ``EXPERT_ROWS``). With ``experts``, ``row_index`` [M] (int32) may give x's row of each
     grouped row: x is then [T, H] with unit last stride, read by index.

@@ -99,7 +99,7 @@ if AVAILABLE:
     @gluon.jit
     def row_tile(i_m, BM: gl.constexpr, table):
         """(first row, expert, group end row) of row tile ``i_m``: from the routed experts' tile
-        table (``[T, 3]`` int32: expert, first row, end row; kernels/routes.py), else one weight."""
+        table (``[T, 3]`` int32: expert, first row, end row; experts/kernels/routes.py), else one weight."""
         if table is None:
             first, expert, end = i_m * BM, 0, 2147483647
         else:

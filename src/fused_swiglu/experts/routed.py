@@ -3,7 +3,7 @@
     y[t] = sum_j  w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),   e = index[t, j]
 
 Each token's slots are grouped by expert (routing.py); the gate/up projections of every expert run as
-one fused kernel with the SwiGLU in its epilogue (experts_ops.py), the down projections as one grouped
+one fused kernel with the SwiGLU in its epilogue (ops.py), the down projections as one grouped
 GEMM; the routing weights scale the down projections' rows as each token's rows are summed (the
 combine), and their gradient is the row sum of ``a`` times its gradient. What is saved per routed
 slot between forward and backward, as for the dense MLP: the factors and ``a`` (3I,
@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts_ops import (
+from ..functional import _autocast, check_save_mode
+from ..layout import CHUNK, check_intermediate_size
+from ..ops import _refuse_double_backward, _saved_tensors
+from .ops import (
     EXPERTS_SAVE_MODES,
     experts_backward_down,
     experts_backward_gate_up,
@@ -29,9 +32,6 @@ from .experts_ops import (
     experts_forward,
     experts_inference,
 )
-from .functional import _autocast, check_save_mode
-from .layout import CHUNK, check_intermediate_size
-from .ops import _refuse_double_backward, _saved_tensors
 from .routing import route
 
 __all__ = ["SwiGLUExperts", "reference_swiglu_experts", "swiglu_experts"]
@@ -40,7 +40,7 @@ __all__ = ["SwiGLUExperts", "reference_swiglu_experts", "swiglu_experts"]
 class RoutedExpertsFunction(torch.autograd.Function):
     """y [T, H]: each token's routed slots through their experts' SwiGLU MLPs, weighted and summed.
 
-    The experts run in the ops (experts_ops.py), which read x's rows by each row's token; the
+    The experts run in the ops (ops.py), which read x's rows by each row's token; the
     gradient's rows are gathered from dy here. Saved for the backward besides x, the weights and the
     routing: what the forward op saved for ``save``, per routed slot."""
 

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_power_of_2
-from .launch import KernelLauncher
+from ...kernels.common import cdiv, next_power_of_2
+from ...kernels.launch import KernelLauncher
 
 
 @triton.jit

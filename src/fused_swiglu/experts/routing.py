@@ -17,12 +17,12 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.common import cdiv, interpreting
-from .kernels.configs import EXPERT_ROWS
+from ..kernels.common import cdiv, interpreting
+from ..kernels.configs import EXPERT_ROWS
+from ..library import define
 from .kernels.routes import route_keys as route_keys_kernel
 from .kernels.routes import route_rows as route_rows_kernel
 from .kernels.routes import route_table as route_table_kernel
-from .library import define
 
 
 class Routes(NamedTuple):

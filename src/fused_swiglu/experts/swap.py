@@ -11,10 +11,10 @@ import inspect
 import torch
 from torch import nn
 
-from .experts import SwiGLUExperts, pack_experts, swiglu_experts
-from .layout import CHUNK
-from .mlp_layouts import is_silu
-from .tensor_parallel import DISTRIBUTED, is_distributed
+from ..distributed import DISTRIBUTED, is_distributed
+from ..layout import CHUNK
+from ..mlp_layouts import is_silu
+from .routed import SwiGLUExperts, pack_experts, swiglu_experts
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")
 #: transformers' expert-layout flags (``use_experts_implementation``) and the values the fused experts take.

@@ -29,16 +29,16 @@ import itertools
 
 import torch
 
+from ..kernels.common import Saved, interpreting, tma_ready
+from ..kernels.configs import expert_rows_by_index, routed_backward_is_warp_specialized
+from ..kernels.glu_backward import routed_glu_backward_
+from ..kernels.glu_backward_ws import routed_glu_backward_ws_
+from ..kernels.glu_forward import glu_forward
+from ..layout import CHUNK, split_packed_columns
+from ..library import define
+from ..ops import _empty_if_none, _on_tensor_device, _overwrite_once
+from ..support import fused_path_available, kernels_run_on
 from .kernels.combine import combine
-from .kernels.common import Saved, interpreting, tma_ready
-from .kernels.configs import expert_rows_by_index, routed_backward_is_warp_specialized
-from .kernels.glu_backward import routed_glu_backward_
-from .kernels.glu_backward_ws import routed_glu_backward_ws_
-from .kernels.glu_forward import glu_forward
-from .layout import CHUNK, split_packed_columns
-from .library import define
-from .ops import _empty_if_none, _on_tensor_device, _overwrite_once
-from .support import fused_path_available, kernels_run_on
 
 EXPERTS_SAVE_MODES = ("factors", "preact", "recompute")
 

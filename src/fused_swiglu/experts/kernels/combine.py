@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, interpreting
-from .launch import KernelLauncher
+from ...kernels.common import cdiv, interpreting
+from ...kernels.launch import KernelLauncher
 
 
 @triton.jit
