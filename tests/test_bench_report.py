@@ -290,3 +290,27 @@ def test_host_time_section_compares_each_call_with_stock_run_the_same_way(monkey
         assert ratios[("fused-compiled", precision)] == pytest.approx(1.25)
         assert ratios[("torch.compile", precision)] == pytest.approx(1.0)
     assert len(extra["host_time"]) == 2 * len(HOST_IMPLS)
+
+
+def _run(variant: str, seed: int, losses: list[float], val: float) -> dict:
+    log = [{"step": 10 * (i + 1), "loss": loss, "grad_norm": 1.0 + i} for i, loss in enumerate(losses)]
+    return {"variant": variant, "seed": seed, "log": log, "val_loss": val, "seconds": 1.0}
+
+
+def test_convergence_report_measures_each_run_against_the_bf16_spread(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fused_swiglu.bench.convergence import report
+
+    runs = [
+        _run("bf16", 0, [3.0, 2.0, 1.50], 1.60),
+        _run("bf16", 1, [3.0, 2.0, 1.52], 1.64),
+        _run("fused-fp8", 0, [3.0, 2.0, 1.51], 1.62),
+        _run("torchao-tensorwise", 0, [3.0, 2.5, 2.40], 2.00),
+    ]
+    meta = META | {"steps": 30, "batch": 2, "sequence": 8, "lr": 1e-3, "model": [64, 128, 2], "torchao": "x"}
+    text = report(runs, tmp_path, meta)
+    assert "validation 1.6000-1.6400" in text
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert "yes" in rows["fused-fp8 (seed 0)"] and "+0.3600" in rows["torchao-tensorwise (seed 0)"]
+    assert json.loads((tmp_path / "convergence.json").read_text())["runs"][2]["variant"] == "fused-fp8"
+    assert (tmp_path / "convergence.png").stat().st_size > 0

@@ -18,6 +18,8 @@ def test_bench_without_gpu_says_so(capsys):
     assert main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert main(["bench", "--dtype", "fp16", "--glu", "--decode"]) == 2  # every option parses
+    assert main(["bench", "--fp8", "fused-fp8", "torchao-rowwise"]) == 2
+    assert "bench --fp8 needs a CUDA GPU" in capsys.readouterr().out
 
 
 def test_bench_rejects_an_unsupported_dtype():

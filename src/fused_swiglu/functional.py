@@ -13,10 +13,13 @@ from typing import Literal
 import torch
 
 from . import ops
+from .fp8.ops import SwiGLUMLPFp8Function
+from .fp8.ops import mlp_inference as fp8_mlp_inference
+from .kernels.configs import inference_uses_cublas
 from .layout import check_intermediate_size, pack_gate_up
 from .ops import SwiGLULinearFunction, SwiGLUMLPFunction, cast_for_autocast, dtype_under_autocast
 from .reference import reference_swiglu_mlp_packed, reference_swiglu_packed
-from .support import fused_path_available
+from .support import fp8_runs_on, fused_path_available
 
 __all__ = ["fused_path_available", "swiglu_linear", "swiglu_mlp"]
 
@@ -26,6 +29,10 @@ MLP_SAVE_MODES = ("factors", "preact", "recompute")
 LINEAR_SAVE_MODES = ("factors", "recompute")
 # The faster training step at most shapes, with preact's peak (docs/design/kernel-choice.md).
 DEFAULT_SAVE: SaveMode = "factors"
+#: The FP8 path keeps its factors or pre-activations in FP8 (fp8/ops.py); it has no recompute mode.
+FP8_SAVE_MODES = ("factors", "preact")
+#: The FP8 path's scale group: hidden and intermediate sizes must be multiples of it.
+FP8_GROUP = 128
 
 
 def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str:
@@ -132,6 +139,7 @@ def swiglu_mlp(
     gate_multiplier: float = 1.0,
     down_multiplier: float = 1.0,
     save: SaveMode = DEFAULT_SAVE,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """The SwiGLU MLP ``down_multiplier * down(silu(gate_multiplier * gate(x)) * up(x))``.
 
@@ -145,6 +153,11 @@ def swiglu_mlp(
         save: what training keeps for the backward, per token: ``"factors"`` (default; 3 * intermediate
             elements, the fastest backward), ``"preact"`` (2 * intermediate; the backward recomputes
             the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
+        fp8: run the six GEMMs in FP8 on Hopper (e4m3 with power-of-two scales: 1 x 128 groups for
+            activations and gradients, 128 x 128 blocks for weights, as DeepSeek-V3 trains;
+            fused_swiglu.fp8). ``save`` ``"factors"`` or ``"preact"`` then keeps them in FP8 (with ``a``
+            and x transposed: 3I + H bytes per token); hidden and intermediate sizes must be
+            multiples of 128. Inference at decode sizes (24 rows or fewer) stays in 16 bits.
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.
@@ -166,6 +179,14 @@ def swiglu_mlp(
     x2d = x if x.dim() == 2 else x.reshape(-1, hidden)
 
     scalars = (gate_multiplier, down_multiplier)
+    if check_fp8(fp8, hidden, gate_up_weight.shape[0] // 2) and _takes_fp8(x2d, save):
+        # The weights are quantized from their own dtype; the output is in x's (the autocast dtype).
+        if _needs_autograd(x2d, gate_up_weight, down_weight):
+            y = SwiGLUMLPFp8Function.apply(x2d, gate_up_weight, down_weight, *scalars, save, x2d.dtype)
+            return y if x.dim() == 2 else y.reshape(x.shape)
+        if not inference_uses_cublas(x2d.shape[0]):
+            y = fp8_mlp_inference(x2d, gate_up_weight, down_weight, *scalars, x2d.dtype)
+            return y if x.dim() == 2 else y.reshape(x.shape)
     fused = fused_path_available(x2d, gate_up_weight)
     if fused and _needs_autograd(x2d, gate_up_weight, down_weight):
         # The Function casts the weights itself, so that their gradients come back in their own dtype.
@@ -186,6 +207,30 @@ def swiglu_mlp(
                 down_multiplier=down_multiplier,
             )
     return y if x.dim() == 2 else y.reshape(x.shape)  # y's last dim is hidden, as x's
+
+
+def check_fp8(fp8, hidden: int, intermediate: int) -> bool:
+    """``fp8`` checked: a bool, and True only for sizes the FP8 path takes."""
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    if fp8 and (hidden % FP8_GROUP or intermediate % FP8_GROUP):
+        raise ValueError(
+            f"fp8=True needs hidden and intermediate sizes that are multiples of {FP8_GROUP} (the scale "
+            f"group); got hidden {hidden} and intermediate {intermediate}"
+        )
+    return fp8
+
+
+def _takes_fp8(x2d: torch.Tensor, save: str) -> bool:
+    """Whether an ``fp8=True`` call takes the FP8 path (the device and dtype); raises for a save mode
+    it has not."""
+    if save not in FP8_SAVE_MODES:
+        raise ValueError(
+            f"fp8=True keeps its activations in FP8: save must be one of {list(FP8_SAVE_MODES)}, got {save!r}"
+        )
+    if x2d.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x2d.shape[0] == 0:
+        return False
+    return fp8_runs_on(x2d.device)
 
 
 def swiglu_linear(

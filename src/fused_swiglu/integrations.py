@@ -177,10 +177,10 @@ def _judge(
     return why
 
 
-def _fused(module: nn.Module, save: str) -> nn.Module:
+def _fused(module: nn.Module, save: str, fp8: bool) -> nn.Module:
     if has_expert_weights(module):
         return SwiGLUExperts.from_experts(module, save=save if save in EXPERTS_SAVE_MODES else "factors")
-    return SwiGLUMLP.from_mlp(module, save=save)
+    return SwiGLUMLP.from_mlp(module, save=save, fp8=fp8)
 
 
 def swap_swiglu_mlps(
@@ -189,6 +189,7 @@ def swap_swiglu_mlps(
     save: SaveMode = DEFAULT_SAVE,
     check: bool = True,
     on_mismatch: Literal["raise", "skip"] = "raise",
+    fp8: bool = False,
 ) -> SwapReport:
     """Replace, in place, every submodule of ``model`` with the LlamaMLP pattern by a ``SwiGLUMLP``
     holding the same weights (same device and dtype, frozen where they were, Falcon-H1 multipliers
@@ -204,8 +205,10 @@ def swap_swiglu_mlps(
     ``fused_swiglu`` logger. With ``check`` (default), every candidate is first compared with the fused
     function on a few random rows; a module whose forward differs raises ``ValueError`` and nothing is
     swapped, or with ``on_mismatch="skip"`` is left alone and reported. Modules on the meta device
-    (weights not materialised yet) cannot be compared and are swapped as built. ``save`` goes to every
-    ``SwiGLUMLP``.
+    (weights not materialised yet) cannot be compared and are swapped as built. ``save`` and ``fp8``
+    (the MLP's six GEMMs in FP8 on Hopper; ``swiglu_mlp``) go to every ``SwiGLUMLP``; with torchao's
+    float8 training on the model's other Linears, swap first and convert after, with
+    ``module_filter_fn=fused_swiglu.fp8.torchao_filter``.
 
     Routed experts in transformers' standard layout (experts/swap.py: Mixtral, Qwen2/3-MoE,
     DeepSeek-V3, OLMoE, ...) become ``SwiGLUExperts`` with the same weights and checkpoint layout, their
@@ -215,6 +218,8 @@ def swap_swiglu_mlps(
     if not isinstance(model, nn.Module):
         raise TypeError(f"swap_swiglu_mlps takes an nn.Module, got {type(model).__name__}")
     check_save_mode(save)
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
     if on_mismatch not in ("raise", "skip"):
         raise ValueError(f"on_mismatch must be 'raise' or 'skip', got {on_mismatch!r}")
     places: dict[int, list[str]] = defaultdict(list)
@@ -235,7 +240,7 @@ def swap_swiglu_mlps(
         else:
             skipped.update(dict.fromkeys(names, why))
     for key in chosen:
-        fused = _fused(modules[key], save)
+        fused = _fused(modules[key], save, fp8)
         for name in places[key]:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, fused)
@@ -244,12 +249,13 @@ def swap_swiglu_mlps(
         for name, _ in model.named_modules(remove_duplicate=False)
         if name in {n for key in chosen for n in places[key]}
     ]
-    _log(swapped, skipped, save)
+    _log(swapped, skipped, save, fp8)
     return SwapReport(swapped, skipped)
 
 
-def _log(swapped: list[str], skipped: dict[str, str], save: str) -> None:
-    line = f"fused_swiglu: swapped {len(swapped)} SwiGLU MLP(s) and routed expert module(s) (save={save!r})"
+def _log(swapped: list[str], skipped: dict[str, str], save: str, fp8: bool) -> None:
+    mode = f"save={save!r}" + (", fp8=True: dense MLPs in FP8, routed experts in 16 bits" if fp8 else "")
+    line = f"fused_swiglu: swapped {len(swapped)} SwiGLU MLP(s) and routed expert module(s) ({mode})"
     if skipped:
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         _LOG.warning(f"{line}; left {len(skipped)} alone: {reasons}")

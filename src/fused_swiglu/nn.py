@@ -22,6 +22,7 @@ from .functional import (
     DEFAULT_SAVE,
     LINEAR_SAVE_MODES,
     SaveMode,
+    check_fp8,
     check_save_mode,
     swiglu_linear,
     swiglu_mlp,
@@ -154,11 +155,25 @@ def _warn_adapters_after_swap(mlp: nn.Module) -> None:
         )
 
 
-def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor, save: str) -> torch.Tensor:
+def _warn_fp8_not_taken(mlp: nn.Module) -> None:
+    """An FP8 module with adapters or a wrapped down projection runs in 16 bits: said once."""
+    if not getattr(mlp, "_warned_fp8_not_taken", False):
+        mlp._warned_fp8_not_taken = True
+        logging.getLogger("fused_swiglu").warning(
+            "fused_swiglu: this MLP has fp8=True but LoRA adapters or a down projection other than "
+            "nn.Linear (%s): it runs in 16 bits, the adapters and the down projection as they are.",
+            type(mlp._modules["down_proj"]).__name__,
+        )
+
+
+def fused_forward(
+    mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor, save: str, fp8: bool = False
+) -> torch.Tensor:
     """The fused forward of ``mlp`` (a ``SwiGLUMLP``, or a module the swap is about to replace) with
-    its gate and up weights packed in ``gate_up_weight``: one fused call, or with adapters (lora.py)
-    or a down projection wrapped after the swap, the GLU operator with the gate and up adapters in
-    its GEMM and the down projection run as the module it is, so that nothing it adds is bypassed."""
+    its gate and up weights packed in ``gate_up_weight``: one fused call (in FP8 with ``fp8``), or
+    with adapters (lora.py) or a down projection wrapped after the swap, the GLU operator with the
+    gate and up adapters in its GEMM and the down projection run as the module it is, so that
+    nothing it adds is bypassed (in 16 bits: the FP8 path is the whole MLP's)."""
     gate_multiplier = multiplier_of(mlp, "gate_multiplier")
     down_multiplier = multiplier_of(mlp, "down_multiplier")
     submodules = mlp._modules  # read directly: a missing name through getattr costs a raised error
@@ -167,6 +182,8 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor,
     if low_rank is None and type(down) is nn.Linear:
         weights = (gate_up_weight, down.weight)
         scalars = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier, "save": save}
+        if fp8:
+            scalars["fp8"] = True
         if is_tensor_parallel(gate_up_weight):  # each rank its shards, the parts summed (tensor_parallel.py)
             return tensor_parallel_mlp(functools.partial(swiglu_mlp, **scalars), x, *weights)
         return swiglu_mlp(x, *weights, **scalars)
@@ -174,6 +191,8 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor, gate_up_weight: torch.Tensor,
         raise TypeError("fused_swiglu: a tensor-parallel SwiGLUMLP runs without adapters on its projections")
     if low_rank is None and is_lora_layer(down) and not torch.compiler.is_compiling():
         _warn_adapters_after_swap(mlp)
+    if fp8 and not torch.compiler.is_compiling():
+        _warn_fp8_not_taken(mlp)
     linear_save = "recompute" if save == "recompute" else "factors"
     a = swiglu_linear(x, gate_up_weight, gate_multiplier=gate_multiplier, save=linear_save, low_rank=low_rank)
     y = down(a)
@@ -189,6 +208,9 @@ class SwiGLUMLP(nn.Module):
         save: training memory mode: ``"factors"`` (default, fastest; 3I elements kept per token),
             ``"preact"`` (2I) or ``"recompute"`` (none; one more GEMM in the backward); may be changed
             on the instance.
+        fp8: run the MLP's six GEMMs in FP8 (``swiglu_mlp``'s ``fp8``: Hopper, hidden and
+            intermediate sizes multiples of 128); may be changed on the instance. The parameters
+            keep their dtype, and checkpoints are the same.
         gate_multiplier, down_multiplier: Falcon-H1 style scalar multipliers.
         checkpoint_keys: the state-dict keys of gate and up: ``"separate"`` (default;
             ``gate_proj.weight`` and ``up_proj.weight``, as LlamaMLP) or ``"stacked"``
@@ -208,6 +230,7 @@ class SwiGLUMLP(nn.Module):
         gate_multiplier: float = 1.0,
         down_multiplier: float = 1.0,
         checkpoint_keys: CheckpointKeys = "separate",
+        fp8: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -216,7 +239,9 @@ class SwiGLUMLP(nn.Module):
         factory = {"device": device, "dtype": dtype}
         _add_packed_gate_up(self, hidden_size, intermediate_size, checkpoint_keys, factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+        self.down_proj.fused_swiglu_down = True  # torchao's float8 conversion leaves it (fp8.torchao_filter)
         self.save = save
+        self.fp8 = check_fp8(fp8, hidden_size, intermediate_size)
         self.gate_multiplier = gate_multiplier
         self.down_multiplier = down_multiplier
         self.reset_parameters()
@@ -267,11 +292,13 @@ class SwiGLUMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_forward(self, x, self.gate_up_proj, self.save)
+        return fused_forward(self, x, self.gate_up_proj, self.save, self.fp8)
 
     def extra_repr(self) -> str:
         parts = [f"hidden_size={self.hidden_size}", f"intermediate_size={self.intermediate_size}"]
         parts.append(f"save={self.save!r}")
+        if self.fp8:
+            parts.append("fp8=True")
         if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
             parts.append(f"gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}")
         if self.checkpoint_keys != "separate":

@@ -63,8 +63,36 @@ def kernels_run_on(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and interpreting() and dtype != torch.bfloat16
 
 
+def fp8_runs_on(device: torch.device) -> bool:
+    """Whether ``fp8=True`` takes the FP8 path on ``device``: a Hopper GPU (cuBLAS's blockwise-scaled
+    FP8 GEMMs, compute capability 9.x), or the CPU under the Triton interpreter (the GEMMs emulated,
+    for the tests). Elsewhere the call runs without FP8, with a warning once."""
+    if device.type == "cuda":
+        if _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
+            return True
+    elif device.type == "cpu" and interpreting():
+        return True
+    _warn_no_fp8(str(device))
+    return False
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+@functools.cache
+def _warn_no_fp8(device: str) -> None:
+    warnings.warn(
+        f"fused_swiglu: fp8=True needs a Hopper GPU (sm_90: cuBLAS's blockwise-scaled FP8 GEMMs); on "
+        f"{device} the MLP runs without FP8.",
+        stacklevel=7,
+    )
+
+
 # A call traced by Dynamo (functional.py) decides while Dynamo traces it, from these constants: Dynamo
 # calls a function so marked and keeps its result as a constant instead of tracing the device query.
 # This is what torch.compiler.assume_constant_result does, which would import Dynamo with the library
 # (about a second, which an eager user never pays). Were the mark ignored, Dynamo would trace it.
 kernels_run_on._dynamo_marked_constant = True
+fp8_runs_on._dynamo_marked_constant = True

@@ -38,6 +38,14 @@ VARIANTS = (
     "fused-compiled-recompute",
 )
 EXTRA_VARIANTS = ("stock-compiled-ro", "fused-compiled-ro", "liger-compiled-ro", "stock-grouped-compiled")
+#: FP8: torchao's float8 training on every Linear but the output layer (tensorwise, rowwise); the
+#: fused MLP in FP8, alone or with torchao's tensorwise float8 on the other Linears.
+FP8_VARIANTS = (
+    "stock-torchao-compiled",
+    "stock-torchao-rowwise-compiled",
+    "fused-fp8-compiled",
+    "fused-fp8-torchao-compiled",
+)
 PRECISIONS = ("autocast", "bf16", "fp32")
 #: The variants others are compared with, window by window (``vs stock compiled``, ``vs stock eager``).
 BASES = ("stock-compiled", "stock-eager")

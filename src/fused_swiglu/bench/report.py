@@ -117,7 +117,7 @@ def write_json(path: Path, meta: dict, shapes: dict[str, list[dict]], extra: dic
     path.write_text(json.dumps({"meta": meta, "shapes": shapes, **extra}, indent=1))
 
 
-def write_plots(directory: Path, shapes: dict[str, list[dict]]) -> list[Path]:
+def write_plots(directory: Path, shapes: dict[str, list[dict]], bottom: float = 0.8) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +136,7 @@ def write_plots(directory: Path, shapes: dict[str, list[dict]]) -> list[Path]:
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("fwd+bwd time / GEMM-only floor (lower is better)")
-    ax.set_ylim(0.8, None)
+    ax.set_ylim(bottom, None)
     ax.legend(fontsize=8, ncols=3)
     fig.tight_layout()
     paths.append(directory / "step_vs_floor.png")

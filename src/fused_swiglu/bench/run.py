@@ -12,12 +12,14 @@ from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds, experts_cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
 from .experts import EXPERT_IMPLS, EXPERT_SHAPES, ROUTINGS, experts_table, measure_experts
+from .fp8 import FP8_IMPLS, OUTLIERS, fp8_accuracy, measure_fp8_shape
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .host import HOST_PRECISIONS, measure_host_time
 from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
 from .measure import measure_shape
 from .model import (
     EXTRA_VARIANTS,
+    FP8_VARIANTS,
     MODEL_SIZES,
     PRECISIONS,
     VARIANTS,
@@ -137,6 +139,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "under autocast, at HIDDEN INTER ROWS "
         "(default: 1024 2816 16, small enough that the GPU waits for the host)",
     )
+    parser.add_argument(
+        "--fp8",
+        nargs="*",
+        choices=list(FP8_IMPLS),
+        metavar="IMPL",
+        help="benchmark the FP8 training step instead, against the bf16 and FP8 floors and torchao's "
+        f"float8 recipes, with each one's accuracy (none named: all of {', '.join(FP8_IMPLS)})",
+    )
     model = parser.add_argument_group(
         "whole model", "bench --model: train LlamaForCausalLM (built from a config) instead of the MLP alone"
     )
@@ -161,10 +171,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--variants",
         nargs="*",
         default=list(VARIANTS),
-        choices=[*VARIANTS, *EXTRA_VARIANTS],
+        choices=[*VARIANTS, *EXTRA_VARIANTS, *FP8_VARIANTS],
         metavar="VARIANT",
         help=f"model variants (default: {', '.join(VARIANTS)}; also {', '.join(EXTRA_VARIANTS)}, "
-        'under mode="reduce-overhead")',
+        f'under mode="reduce-overhead", and in FP8 {", ".join(FP8_VARIANTS)})',
     )
     model.add_argument(
         "--precisions",
@@ -222,6 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is not None or args.model_size:
         return run_model(args)
+    if args.fp8 is not None:
+        return run_fp8(args)
     if args.experts is not None:
         return run_experts(args)
     if not torch.cuda.is_available():
@@ -402,6 +414,114 @@ def _cold_start_section(shapes: dict, dtype: torch.dtype, extra_json: dict) -> l
     )
     print("\n" + line, flush=True)
     return [line, ""]
+
+
+FP8_COLUMNS = [
+    ("impl", "impl"),
+    ("step_ms", "fwd+bwd ms"),
+    ("step_vs_floor", "vs bf16 floor"),
+    ("step_vs_fp8_floor", "vs fp8 floor"),
+    ("fwd_ms", "fwd ms"),
+    ("no_grad_fwd_ms", "no_grad fwd ms"),
+    ("kept_mib", "kept MiB"),
+    ("peak_mib", "peak MiB"),
+    ("first_call_s", "first call s"),
+]
+FP8_ACCURACY_COLUMNS = [
+    ("impl", "impl"),
+    ("sqnr_y", "y dB"),
+    ("sqnr_dx", "dx dB"),
+    ("sqnr_dw_gate_up", "dW_gate_up dB"),
+    ("sqnr_dw_down", "dW_down dB"),
+]
+
+
+def _rows_table(rows: list[dict], columns: list[tuple[str, str]], markdown: bool = False) -> str:
+    from ..tables import format_table
+
+    body = [
+        [row["impl"], f"missing: {row['missing']}"] + [None] * (len(columns) - 2)
+        if "missing" in row
+        else [row.get(key) for key, _ in columns]
+        for row in rows
+    ]
+    return format_table([title for _, title in columns], body, markdown)
+
+
+def run_fp8(args: argparse.Namespace) -> int:
+    """``bench --fp8``: the FP8 step at each shape (a table per shape), and at the first shape the
+    accuracy of each implementation on Gaussian inputs and with outlier channels; JSON, Markdown and
+    a plot under ``OUT/fp8``."""
+    if not torch.cuda.is_available():
+        print("bench --fp8 needs a CUDA GPU (tests/test_fp8.py checks the FP8 path on CPU)")
+        return 2
+    impls = args.fp8 or list(FP8_IMPLS)
+    meta = provenance(args.commit) | {"torchao": _version_of("torchao")}
+    print(
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, torchao {meta['torchao']}, "
+        f"commit {meta['commit'][:12]}"
+    )
+    out = args.out / "fp8"
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    accuracy: dict[str, list[dict]] = {}
+    lines = [
+        "# FP8 training step of the MLP",
+        "",
+        provenance_header(meta) + f", torchao {meta['torchao']}. bf16 inputs and weights; "
+        "`triton.testing.do_bench` medians of medians, every implementation interleaved in one process. "
+        "floor: the six bf16 cuBLAS GEMMs; fp8-floor: the FP8 path's six blockwise-scaled cuBLAS GEMMs "
+        "(1 x 128 / 128 x 128, precise accumulation); fp8-floor-tensorwise: six FP8 GEMMs with one scale "
+        "per tensor and fast accumulation. torchao's recipes and fused-fp8-compiled under torch.compile.",
+        "",
+    ]
+
+    def save() -> None:
+        (out / "results.json").write_text(
+            json.dumps({"meta": meta, "results": results, "accuracy": accuracy}, indent=1)
+        )
+        (out / "results.md").write_text("\n".join(lines) + "\n")
+
+    shapes = chosen_shapes(args)
+    for name, (m, h, i) in shapes.items():
+        print(f"\n{name}: M={m} hidden={h} intermediate={i}", flush=True)
+        rows = measure_fp8_shape(m, h, i, impls, reps=args.reps, log=lambda s: print(s, flush=True))
+        results[name] = rows
+        print(_rows_table(rows, FP8_COLUMNS), flush=True)
+        lines += [
+            f"## {name} (M={m}, hidden={h}, intermediate={i})",
+            "",
+            _rows_table(rows, FP8_COLUMNS, True),
+            "",
+        ]
+        save()
+    name, (m, h, i) = next(iter(shapes.items()))
+    lines += [
+        f"## Accuracy at {name}: SQNR against float64 (higher is better)",
+        "",
+        "The same bf16 inputs, weights and output gradient for every implementation; outliers: four of "
+        "x's channels scaled by 100 or 1000.",
+        "",
+    ]
+    for kind, scale in OUTLIERS.items():
+        rows = fp8_accuracy(m, h, i, impls, scale)
+        accuracy[kind] = rows
+        print(f"\naccuracy, {kind}:", _rows_table(rows, FP8_ACCURACY_COLUMNS), sep="\n", flush=True)
+        lines += [f"{kind}:", "", _rows_table(rows, FP8_ACCURACY_COLUMNS, True), ""]
+        save()
+    if not args.no_plots:
+        write_plots(out, results, bottom=0.0)
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _version_of(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def run_model(args: argparse.Namespace) -> int:

@@ -96,12 +96,28 @@ def build_model(spec: RunSpec):
         from ..integrations import swap_swiglu_mlps
 
         save = next((s for s in ("preact", "recompute") if s in spec.variant), "factors")
-        swap_swiglu_mlps(model, save=save)
+        swap_swiglu_mlps(model, save=save, fp8="-fp8" in spec.variant)
+    if "torchao" in spec.variant:
+        _convert_to_float8(model, "rowwise" if "rowwise" in spec.variant else "tensorwise")
     model.train()
     if "compiled" in spec.variant:
         mode = "reduce-overhead" if spec.variant.endswith("-ro") else None
         model = torch.compile(model, backend=spec.backend, mode=mode)
     return model
+
+
+def _convert_to_float8(model, recipe: str) -> None:
+    """torchao's float8 training on the model's Linears (``recipe``), the output layer and the fused
+    MLPs' down projections left out (the fused MLP runs its own, fused_swiglu.fp8.torchao_filter)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from ..fp8 import torchao_filter
+
+    def convert(module, fqn: str) -> bool:
+        return torchao_filter(module, fqn) and not fqn.endswith("lm_head")
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, module_filter_fn=convert, config=config)
 
 
 def _sync(device: str) -> None:

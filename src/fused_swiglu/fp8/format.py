@@ -1,0 +1,127 @@
+"""The FP8 format of the library's FP8 path, in one place: e4m3 values with fp32 scales that are
+powers of two, in groups local to a 128-wide tile, and the scaled GEMM that reads them.
+
+* **Rows** (activations and gradients, the GEMM's A operand and the weight-gradient GEMMs' B):
+  ``data`` [R, C] e4m3, one scale per row and group of ``GROUP`` columns, the reduction dimension
+  of the GEMM that reads it; ``scales`` stored [ceil(C / GROUP), R] (column-major as a [R, C/GROUP]
+  matrix: the layout cuBLAS reads for both operands of a blockwise GEMM).
+* **Blocks** (weights): ``data`` [R, C] e4m3, one scale per ``GROUP`` x ``GROUP`` block; ``scales``
+  [ceil(R / GROUP), ``block_columns(C)``]: each row of scales padded with ones to a multiple of 4
+  (16 bytes). cuBLAS reads the rows at that stride: with the rows unpadded at other widths, its
+  blockwise GEMM returns wrong products without an error (torch 2.11, CUDA 13.0, H100: hidden 896,
+  intermediate 4864 or 11008). A block scale serves the weight and its transpose alike.
+
+A group's scale is the smallest power of two ``s`` with ``amax / s <= 448`` (e4m3's largest
+finite value), 1 for an all-zero group: scaling and unscaling are exact, and only the cast to e4m3
+rounds (to nearest even). NaN does not enter the amax and stays NaN; an infinity makes its group's
+scale infinite, so the GEMMs that read the group return NaN where it contributes. The functions
+here are the PyTorch reference of the kernels (kernels.py), the tests' oracle, and the GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+#: Elements per scale along a GEMM's reduction dimension (and the weight blocks' side).
+GROUP = 128
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+#: The smallest scale: a group whose amax is below 448 x 2^-126 is scaled by 2^-126.
+MIN_SCALE = 2.0**-126
+
+
+class Fp8(NamedTuple):
+    """An e4m3 tensor and its scales (``blocks``: 128 x 128 blocks; else 1 x 128 rows)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    blocks: bool = False
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_columns(c: int) -> int:
+    """Scales per row of a [*, c] weight's blocks, padded to a multiple of 4."""
+    return -(-cdiv(c, GROUP) // 4) * 4
+
+
+def padded_rows(m: int) -> int:
+    """Rows of the FP8 path's activations: tokens rounded up to a whole group, so that the weight
+    gradients' reduction over tokens runs over whole groups (the padding rows are zeros)."""
+    return cdiv(m, GROUP) * GROUP
+
+
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``amax / s <= 448`` (at least ``MIN_SCALE``), 1 where
+    ``amax`` is 0, inf where it is inf."""
+    amax = amax.float()
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    # 448 = 0.875 * 2^9: amax / 2^(exponent - 9) <= 448 while the mantissa is at most 0.875.
+    power = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
+    scale = torch.ldexp(torch.ones_like(amax), power).clamp_min(MIN_SCALE)
+    scale = torch.where(torch.isinf(amax), amax, scale)
+    return torch.where(amax == 0, torch.ones_like(amax), scale)
+
+
+def _group_amax(t: torch.Tensor, dims) -> torch.Tensor:
+    return torch.nan_to_num(t.abs(), nan=0.0, posinf=torch.inf).amax(dim=dims)
+
+
+def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # clamp keeps NaN
+
+
+def quantize_rows(t: torch.Tensor, rows: int | None = None) -> Fp8:
+    """``t`` [R, C] in 1 x GROUP groups along C; ``rows`` >= R pads with zero rows."""
+    r, c = t.shape
+    rows = r if rows is None else rows
+    groups = cdiv(c, GROUP)
+    padded = torch.nn.functional.pad(t.float(), (0, groups * GROUP - c, 0, rows - r))
+    grouped = padded.view(rows, groups, GROUP)
+    scales = pow2_scale(_group_amax(grouped, -1))  # [rows, groups]
+    data = _to_e4m3(grouped / scales[..., None]).view(rows, groups * GROUP)[:, :c]
+    return Fp8(data.contiguous(), scales.t().contiguous())
+
+
+def quantize_blocks(w: torch.Tensor) -> Fp8:
+    """``w`` [R, C] in GROUP x GROUP blocks."""
+    r, c = w.shape
+    rb, cb = cdiv(r, GROUP), cdiv(c, GROUP)
+    padded = torch.nn.functional.pad(w.float(), (0, cb * GROUP - c, 0, rb * GROUP - r))
+    grouped = padded.view(rb, GROUP, cb, GROUP)
+    scales = pow2_scale(_group_amax(grouped, (1, 3)))  # [rb, cb]
+    data = _to_e4m3(grouped / scales[:, None, :, None]).view(rb * GROUP, cb * GROUP)[:r, :c]
+    padded = torch.nn.functional.pad(scales, (0, block_columns(c) - cb), value=1.0)
+    return Fp8(data.contiguous(), padded, blocks=True)
+
+
+def dequantize(t: Fp8) -> torch.Tensor:
+    """The fp32 values ``t`` stands for."""
+    r, c = t.data.shape
+    if t.blocks:
+        scales = (
+            t.scales[:, : cdiv(c, GROUP)].repeat_interleave(GROUP, 0)[:r].repeat_interleave(GROUP, 1)[:, :c]
+        )
+    else:
+        scales = t.scales.t().repeat_interleave(GROUP, 1)[:, :c]
+    return t.data.float() * scales
+
+
+def uses_cublas(device: torch.device) -> bool:
+    """Whether the scaled GEMMs run on cuBLAS (a CUDA device; elsewhere they are emulated)."""
+    return device.type == "cuda"
+
+
+def mm(a: Fp8, b: Fp8, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b^T`` [M, N] in ``out_dtype`` from ``a`` [M, K] (rows) and ``b`` [N, K] (rows or blocks),
+    both grouped along K: cuBLAS's blockwise-scaled FP8 GEMM with fp32 accumulation, promoted
+    group by group (no fast accumulation); off CUDA, the product of the dequantized operands."""
+    if not uses_cublas(a.data.device):
+        with torch.autocast(a.data.device.type, enabled=False):
+            return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
+    scale_b = b.scales.t() if b.blocks else b.scales
+    return torch._scaled_mm(a.data, b.data.t(), a.scales.t(), scale_b, out_dtype=out_dtype)

@@ -1,0 +1,222 @@
+"""The FP8 path as a graph sees it: custom ops around the passes (kernels.py), and the autograd
+Function whose forward and backward issue the six scaled GEMMs (format.mm) between them, so that a
+compiled graph issues them itself, as it issues the bf16 path's GEMMs (ops.py).
+
+The recipe (DeepSeek-V3's): activations and gradients in 1 x 128 groups along each GEMM's
+reduction dimension, weights in 128 x 128 blocks, fp32 accumulation promoted group by group.
+
+* forward: x -> rows and rows of x^T (one pass); h = x W_gate_up^T; one pass turns h into ``a``
+  (rows), ``a^T`` (rows) and what training keeps; y = a W_down^T;
+* backward: dY -> rows and rows of dY^T (one pass); dA = dY W_down; dW_down = dY^T a; one pass
+  turns dA and the kept tensor into the packed gradient (rows) and its transpose (rows);
+  dX = grad W_gate_up; dW_gate_up = grad^T x.
+
+Kept between forward and backward, per token: the FP8 factors or pre-activations (2I bytes),
+``a^T`` (I bytes) and ``x^T`` (H bytes, in place of x), with their scales. The weights are
+quantized in each forward (as they are) and each backward (transposed) from the parameters
+themselves: nothing is cached across calls, so an FP8 weight is never older than its parameter,
+whoever updates it (an optimizer, FSDP's all-gather into a reused buffer, a load).
+
+Tokens are padded to a whole group of 128 rows inside the path (zero rows), so that the weight
+gradients reduce over whole groups; y and dX drop the padding rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.common import empty
+from ..kernels.plans import planned
+from ..library import define
+from ..ops import _on_tensor_device, _refuse_double_backward
+from . import kernels
+from .format import GROUP, Fp8, block_columns, mm, padded_rows
+
+#: What training keeps, by save mode, as the passes' constexpr (0: nothing, inference).
+KEPT = {"factors": 1, "preact": 2}
+
+
+def _none_to_empty(*tensors, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Custom ops return tensors only: a piece not asked for is an empty tensor.
+    return tuple(empty((0,), like) if t is None else t for t in tensors)
+
+
+@_on_tensor_device
+@planned
+def _quantize(x, rows, transposed):
+    data, t = kernels.quantize_activation(x, rows, transposed)
+    rest = (t.data, t.scales) if transposed else (None, None)
+    return _none_to_empty(data.data, data.scales, *rest, like=x)
+
+
+def _quantize_fake(x, rows, transposed):
+    f = x.shape[1]
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    rest = (
+        (x.new_empty(f, rows, dtype=e4m3), x.new_empty(rows // GROUP, f, dtype=f32))
+        if transposed
+        else (None, None)
+    )
+    data = (x.new_empty(rows, f, dtype=e4m3), x.new_empty(-(-f // GROUP), rows, dtype=f32))
+    return _none_to_empty(*data, *rest, like=x)
+
+
+quantize = define(
+    "fp8_quantize(Tensor x, int rows, bool transposed) -> (Tensor, Tensor, Tensor, Tensor)",
+    _quantize,
+    _quantize_fake,
+)
+
+
+@_on_tensor_device
+@planned
+def _quantize_weight(w, transposed):
+    q = kernels.quantize_weight(w, transposed)
+    return q.data, q.scales
+
+
+def _quantize_weight_fake(w, transposed):
+    r, c = w.shape[::-1] if transposed else w.shape
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    return w.new_empty(r, c, dtype=e4m3), w.new_empty(-(-r // GROUP), block_columns(c), dtype=f32)
+
+
+quantize_weight = define(
+    "fp8_quantize_weight(Tensor w, bool transposed) -> (Tensor, Tensor)",
+    _quantize_weight,
+    _quantize_weight_fake,
+)
+
+
+@_on_tensor_device
+@planned
+def _glu_forward(h, kept, gate_multiplier, down_multiplier):
+    a, a_t, saved = kernels.glu_forward(h, kept, gate_multiplier, down_multiplier)
+    rest = (None,) * 4 if not kept else (a_t.data, a_t.scales, saved.data, saved.scales)
+    return _none_to_empty(a.data, a.scales, *rest, like=h)
+
+
+def _glu_forward_fake(h, kept, gate_multiplier, down_multiplier):
+    mp, two_inter = h.shape
+    inter = two_inter // 2
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    a = (h.new_empty(mp, inter, dtype=e4m3), h.new_empty(inter // GROUP, mp, dtype=f32))
+    if not kept:
+        return _none_to_empty(*a, None, None, None, None, like=h)
+    a_t = (h.new_empty(inter, mp, dtype=e4m3), h.new_empty(mp // GROUP, inter, dtype=f32))
+    saved = (h.new_empty(mp, two_inter, dtype=e4m3), h.new_empty(two_inter // GROUP, mp, dtype=f32))
+    return (*a, *a_t, *saved)
+
+
+glu_forward = define(
+    "fp8_glu_forward(Tensor h, int kept, float gate_multiplier, float down_multiplier) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _glu_forward,
+    _glu_forward_fake,
+)
+
+
+@_on_tensor_device
+@planned
+def _glu_backward(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed):
+    multipliers = (gate_multiplier, down_multiplier)
+    grad, grad_t = kernels.glu_backward(da, Fp8(kept_data, kept_scales), kept, *multipliers, rows, transposed)
+    pieces = (grad.data, grad.scales) if rows else (None, None)
+    pieces += (grad_t.data, grad_t.scales) if transposed else (None, None)
+    return _none_to_empty(*pieces, like=da)
+
+
+def _glu_backward_fake(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed):
+    mp, inter = da.shape
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    pieces = (
+        (da.new_empty(mp, 2 * inter, dtype=e4m3), da.new_empty(2 * inter // GROUP, mp, dtype=f32))
+        if rows
+        else (None, None)
+    )
+    pieces += (
+        (da.new_empty(2 * inter, mp, dtype=e4m3), da.new_empty(mp // GROUP, 2 * inter, dtype=f32))
+        if transposed
+        else (None, None)
+    )
+    return _none_to_empty(*pieces, like=da)
+
+
+glu_backward = define(
+    "fp8_glu_backward(Tensor da, Tensor kept_data, Tensor kept_scales, int kept, float gate_multiplier, "
+    "float down_multiplier, bool rows, bool transposed) -> (Tensor, Tensor, Tensor, Tensor)",
+    _glu_backward,
+    _glu_backward_fake,
+)
+
+
+def _weight(w: torch.Tensor, transposed: bool) -> Fp8:
+    data, scales = quantize_weight(w, transposed)
+    return Fp8(data, scales, blocks=True)
+
+
+def _unpadded(t: torch.Tensor, m: int) -> torch.Tensor:
+    return t if t.shape[0] == m else t[:m]
+
+
+def mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, out_dtype):
+    """y [M, H] in ``out_dtype``, nothing kept."""
+    m = x2d.shape[0]
+    x_data, x_scales, _, _ = quantize(x2d, padded_rows(m), False)
+    h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False), out_dtype)
+    a_data, a_scales, *_ = glu_forward(h, 0, gate_multiplier, down_multiplier)
+    del h
+    return _unpadded(mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype), m)
+
+
+class SwiGLUMLPFp8Function(torch.autograd.Function):
+    """The MLP's FP8 training step (module docstring). Under autocast, x and the weights are quantized
+    from their own dtype, the forward's output is in the autocast dtype, and each gradient comes back
+    in its input's dtype (fp32 weights: from the GEMM's fp32 result)."""
+
+    @staticmethod
+    def forward(ctx, x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save, out_dtype):
+        m = x2d.shape[0]
+        rows = padded_rows(m)
+        kept = KEPT[save]
+        x_data, x_scales, xt_data, xt_scales = quantize(x2d, rows, True)
+        h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False), out_dtype)
+        a_data, a_scales, at_data, at_scales, kept_data, kept_scales = glu_forward(
+            h, kept, gate_multiplier, down_multiplier
+        )
+        del h
+        y = mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype)
+        ctx.save_for_backward(
+            gate_up_weight, down_weight, xt_data, xt_scales, at_data, at_scales, kept_data, kept_scales
+        )
+        ctx.scalars = (m, kept, gate_multiplier, down_multiplier, out_dtype)
+        ctx.grad_dtypes = (x2d.dtype, gate_up_weight.dtype, down_weight.dtype)
+        return _unpadded(y, m)
+
+    @staticmethod
+    def backward(ctx, dy):
+        _refuse_double_backward()
+        gate_up_weight, down_weight, xt_data, xt_scales, at_data, at_scales, kept_data, kept_scales = (
+            ctx.saved_tensors
+        )
+        m, kept, gate_multiplier, down_multiplier, out_dtype = ctx.scalars
+        x_dtype, gate_up_dtype, down_dtype = ctx.grad_dtypes
+        need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
+        rows = padded_rows(m)
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dy_data, dy_scales, dyt_data, dyt_scales = quantize(dy, rows, need_dw_down)
+        dx = dw_gate_up = dw_down = None
+        if need_dw_down:
+            dw_down = mm(Fp8(dyt_data, dyt_scales), Fp8(at_data, at_scales), down_dtype)
+        if need_dx or need_dw_gate_up:
+            da = mm(Fp8(dy_data, dy_scales), _weight(down_weight, True), out_dtype)
+            multipliers = (gate_multiplier, down_multiplier)
+            g_data, g_scales, gt_data, gt_scales = glu_backward(
+                da, kept_data, kept_scales, kept, *multipliers, need_dx, need_dw_gate_up
+            )
+            del da
+            if need_dx:
+                dx = _unpadded(mm(Fp8(g_data, g_scales), _weight(gate_up_weight, True), x_dtype), m)
+            if need_dw_gate_up:
+                dw_gate_up = mm(Fp8(gt_data, gt_scales), Fp8(xt_data, xt_scales), gate_up_dtype)
+        return dx, dw_gate_up, dw_down, None, None, None, None
