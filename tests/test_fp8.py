@@ -24,6 +24,7 @@ from fused_swiglu.fp8.format import (
     pow2_scale,
     quantize_blocks,
     quantize_rows,
+    reduction_width,
 )
 from fused_swiglu.testing import relative_error, unit_roundoff
 
@@ -105,13 +106,14 @@ def _awkward(m: int, f: int, dtype, device) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 200, 256])
 def test_activation_quantizer_matches_the_reference(device, precision, m):
     x = _awkward(m, 384, precision, device)
-    rows = padded_rows(m)
-    got, got_t = kernels.quantize_activation(x, rows, transposed=True)
-    assert_same_fp8(got, quantize_rows(x, rows))
+    rows, width = padded_rows(m), reduction_width(384)
+    got, got_t = kernels.quantize_activation(x, rows, transposed=True, width=width)
+    assert_same_fp8(got, quantize_rows(x, rows, width))
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, rows - m))
     assert_same_fp8(got_t, quantize_rows(padded.t()))
     assert (_codes(got.data[m:]) == 0).all() and (got.scales[:, m:] == 1).all()  # padding rows: zeros
-    got_rows_only, none = kernels.quantize_activation(x, rows, transposed=False)
+    assert width == 512 and (_codes(got.data[:, 384:]) == 0).all() and (got.scales[3:] == 1).all()
+    got_rows_only, none = kernels.quantize_activation(x, rows, transposed=False, width=width)
     assert none is None
     assert_same_fp8(got_rows_only, got)
 
@@ -123,19 +125,20 @@ def test_weight_quantizer_matches_the_reference(device, precision, transposed):
     w[:128, :128] = 0  # a block of zeros
     w[200, 17] = 1e4  # one block scaled for its outlier
     got = kernels.quantize_weight(w, transposed)
-    want = quantize_blocks(w.t() if transposed else w)
-    assert_same_fp8(got, want)
-    assert got.scales[0, 0] == 1 and (_codes(got.data[:128, :128]) == 0).all()
-    used = -(-got.data.shape[1] // GROUP)  # scale rows padded with ones to 16 bytes (format.py)
-    assert got.scales.shape[1] % 4 == 0 and (got.scales[:, used:] == 1).all()
+    oriented = w.t() if transposed else w
+    width = reduction_width(oriented.shape[1])  # zero columns up to 4 groups (format.py)
+    assert_same_fp8(got, quantize_blocks(oriented, width))
+    assert got.data.shape[1] == width == 512 and (_codes(got.data[:, oriented.shape[1] :]) == 0).all()
+    if not transposed:
+        assert got.scales[0, 0] == 1 and (_codes(got.data[:128, :128]) == 0).all()
 
 
 def test_nan_and_inf_reach_every_output_they_touch(device):
     x = torch.randn(130, 256, device=device)
     x[3, 5] = float("nan")
     x[7, 200] = float("inf")
-    q, q_t = kernels.quantize_activation(x, padded_rows(130), transposed=True)
-    w = quantize_blocks(torch.randn(256, 256, device=device))
+    q, q_t = kernels.quantize_activation(x, padded_rows(130), transposed=True, width=512)
+    w = quantize_blocks(torch.randn(256, 256, device=device), 512)
     y = mm(q, w, torch.float32)
     assert not torch.isfinite(y[[3, 7]]).any()  # the inf's group: an inf scale
     others = torch.ones(256, dtype=torch.bool)
@@ -170,10 +173,12 @@ def test_glu_passes_match_the_reference(device, precision, kept):
 
 
 @pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "rows"])
-def test_scaled_gemm_is_the_product_of_its_dequantized_operands(device, blocks):
-    a = quantize_rows(torch.randn(256, 512, device=device))
-    w = torch.randn(384, 512, device=device)
-    b = quantize_blocks(w) if blocks else quantize_rows(w)
+@pytest.mark.parametrize("k", [384, 512, 896])
+def test_scaled_gemm_is_the_product_of_its_dequantized_operands(device, blocks, k):
+    width = reduction_width(k)  # a GEMM with blocks reads K padded with zeros
+    a = quantize_rows(torch.randn(256, k, device=device), width=width)
+    w = torch.randn(384, k, device=device)
+    b = quantize_blocks(w, width) if blocks else quantize_rows(w, width=width)
     want = dequantize(a).double() @ dequantize(b).double().t()
     for out_dtype in (torch.float32, torch.bfloat16):
         got = mm(a, b, out_dtype)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..fp8.format import mm as fp8_mm
-from ..fp8.format import quantize_blocks, quantize_rows
+from ..fp8.format import quantize_blocks, quantize_rows, reduction_width
 from ..layout import unpack_gate_up
 from ..nn import SwiGLUMLP
 from .impls import EagerSwiGLUMLP, Impl, _module_impl, build_impl
@@ -47,30 +47,25 @@ OUTLIERS = {"gaussian": 1.0, "outliers-x100": 100.0, "outliers-x1000": 1000.0}
 
 
 class Fp8BlockwiseFloor:
-    """The FP8 path's six GEMMs (fp8/format.py's ``mm``) on operands quantized once."""
+    """The FP8 path's six GEMMs (fp8/format.py's ``mm``) on operands quantized once, in the path's
+    layouts: a GEMM with a blocks operand reads K padded to ``reduction_width``."""
 
     def __init__(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, dy: torch.Tensor):
         m, inter = x.shape[0], w_down.shape[1]
         a = torch.randn(m, inter, device=x.device)
         grad = torch.randn(m, 2 * inter, device=x.device)
-        self.x, self.w_gate_up, self.a, self.w_down = (
-            quantize_rows(x),
-            quantize_blocks(w_gate_up),
-            quantize_rows(a),
-            quantize_blocks(w_down),
-        )
-        self.dy, self.w_down_t, self.dy_t, self.a_t = (
-            quantize_rows(dy),
-            quantize_blocks(w_down.t()),
-            quantize_rows(dy.t()),
-            quantize_rows(a.t()),
-        )
-        self.grad, self.w_gate_up_t, self.grad_t, self.x_t = (
-            quantize_rows(grad),
-            quantize_blocks(w_gate_up.t()),
-            quantize_rows(grad.t()),
-            quantize_rows(x.t()),
-        )
+
+        def rows(t):
+            return quantize_rows(t, width=reduction_width(t.shape[1]))
+
+        def blocks(w):
+            return quantize_blocks(w, reduction_width(w.shape[1]))
+
+        self.x, self.w_gate_up, self.a, self.w_down = rows(x), blocks(w_gate_up), rows(a), blocks(w_down)
+        self.dy, self.w_down_t = rows(dy), blocks(w_down.t())
+        self.dy_t, self.a_t = quantize_rows(dy.t()), quantize_rows(a.t())
+        self.grad, self.w_gate_up_t = rows(grad), blocks(w_gate_up.t())
+        self.grad_t, self.x_t = quantize_rows(grad.t()), quantize_rows(x.t())
         self.dtype = x.dtype
 
     def forward(self) -> torch.Tensor:
@@ -93,7 +88,7 @@ class Fp8TensorwiseFloor:
         m, inter = x.shape[0], w_down.shape[1]
         one = torch.ones((), device=x.device)
         self.one, self.dtype = one, x.dtype
-        f8 = lambda t: t.to(torch.float8_e4m3fn)  # noqa: E731 - unit-variance data: no scale needed
+        f8 = lambda t: t.contiguous().to(torch.float8_e4m3fn)  # noqa: E731 - unit-variance data, no scale
         a, grad = torch.randn(m, inter, device=x.device), torch.randn(m, 2 * inter, device=x.device)
         # (A row-major, B^T row-major) for each GEMM: out = A @ B.
         self.pairs = [

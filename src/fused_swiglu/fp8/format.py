@@ -6,10 +6,13 @@ powers of two, in groups local to a 128-wide tile, and the scaled GEMM that read
   of the GEMM that reads it; ``scales`` stored [ceil(C / GROUP), R] (column-major as a [R, C/GROUP]
   matrix: the layout cuBLAS reads for both operands of a blockwise GEMM).
 * **Blocks** (weights): ``data`` [R, C] e4m3, one scale per ``GROUP`` x ``GROUP`` block; ``scales``
-  [ceil(R / GROUP), ``block_columns(C)``]: each row of scales padded with ones to a multiple of 4
-  (16 bytes). cuBLAS reads the rows at that stride: with the rows unpadded at other widths, its
-  blockwise GEMM returns wrong products without an error (torch 2.11, CUDA 13.0, H100: hidden 896,
-  intermediate 4864 or 11008). A block scale serves the weight and its transpose alike.
+  [ceil(R / GROUP), ceil(C / GROUP)]. A block scale serves the weight and its transpose alike.
+
+The operands of a GEMM whose B is in blocks are zero-padded along the reduction dimension to
+``reduction_width(K)``, a multiple of 4 groups: cuBLAS reads block scales at 16-byte row strides,
+and torch 2.11 takes them only unpadded, so at other widths its blockwise GEMM returns wrong products
+without an error (CUDA 13.0, H100: hidden 896, intermediate 4864 or 11008). Zero columns add
+nothing to the products.
 
 A group's scale is the smallest power of two ``s`` with ``amax / s <= 448`` (e4m3's largest
 finite value), 1 for an all-zero group: scaling and unscaling are exact, and only the cast to e4m3
@@ -44,9 +47,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_columns(c: int) -> int:
-    """Scales per row of a [*, c] weight's blocks, padded to a multiple of 4."""
-    return -(-cdiv(c, GROUP) // 4) * 4
+def reduction_width(k: int) -> int:
+    """The reduction dimension of a GEMM with blocks, padded to a multiple of 4 groups."""
+    return cdiv(k, 4 * GROUP) * 4 * GROUP
 
 
 def padded_rows(m: int) -> int:
@@ -75,37 +78,35 @@ def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # clamp keeps NaN
 
 
-def quantize_rows(t: torch.Tensor, rows: int | None = None) -> Fp8:
-    """``t`` [R, C] in 1 x GROUP groups along C; ``rows`` >= R pads with zero rows."""
+def quantize_rows(t: torch.Tensor, rows: int | None = None, width: int | None = None) -> Fp8:
+    """``t`` [R, C] in 1 x GROUP groups along C; ``rows`` >= R and ``width`` >= C pad with zeros."""
     r, c = t.shape
-    rows = r if rows is None else rows
-    groups = cdiv(c, GROUP)
+    rows, width = (r if rows is None else rows), (c if width is None else width)
+    groups = cdiv(width, GROUP)
     padded = torch.nn.functional.pad(t.float(), (0, groups * GROUP - c, 0, rows - r))
     grouped = padded.view(rows, groups, GROUP)
     scales = pow2_scale(_group_amax(grouped, -1))  # [rows, groups]
-    data = _to_e4m3(grouped / scales[..., None]).view(rows, groups * GROUP)[:, :c]
+    data = _to_e4m3(grouped / scales[..., None]).view(rows, groups * GROUP)[:, :width]
     return Fp8(data.contiguous(), scales.t().contiguous())
 
 
-def quantize_blocks(w: torch.Tensor) -> Fp8:
-    """``w`` [R, C] in GROUP x GROUP blocks."""
+def quantize_blocks(w: torch.Tensor, width: int | None = None) -> Fp8:
+    """``w`` [R, C] in GROUP x GROUP blocks; ``width`` >= C pads with zero columns."""
     r, c = w.shape
-    rb, cb = cdiv(r, GROUP), cdiv(c, GROUP)
+    width = c if width is None else width
+    rb, cb = cdiv(r, GROUP), cdiv(width, GROUP)
     padded = torch.nn.functional.pad(w.float(), (0, cb * GROUP - c, 0, rb * GROUP - r))
     grouped = padded.view(rb, GROUP, cb, GROUP)
     scales = pow2_scale(_group_amax(grouped, (1, 3)))  # [rb, cb]
-    data = _to_e4m3(grouped / scales[:, None, :, None]).view(rb * GROUP, cb * GROUP)[:r, :c]
-    padded = torch.nn.functional.pad(scales, (0, block_columns(c) - cb), value=1.0)
-    return Fp8(data.contiguous(), padded, blocks=True)
+    data = _to_e4m3(grouped / scales[:, None, :, None]).view(rb * GROUP, cb * GROUP)[:r, :width]
+    return Fp8(data.contiguous(), scales, blocks=True)
 
 
 def dequantize(t: Fp8) -> torch.Tensor:
     """The fp32 values ``t`` stands for."""
     r, c = t.data.shape
     if t.blocks:
-        scales = (
-            t.scales[:, : cdiv(c, GROUP)].repeat_interleave(GROUP, 0)[:r].repeat_interleave(GROUP, 1)[:, :c]
-        )
+        scales = t.scales.repeat_interleave(GROUP, 0)[:r].repeat_interleave(GROUP, 1)[:, :c]
     else:
         scales = t.scales.t().repeat_interleave(GROUP, 1)[:, :c]
     return t.data.float() * scales

@@ -30,11 +30,10 @@ from ..kernels.common import (
     interpreting,
     pack_columns,
     silu_and_slope,
-    split_halves,
     unpack_columns,
 )
 from ..kernels.launch import KernelLauncher
-from .format import E4M3, GROUP, Fp8, block_columns
+from .format import E4M3, GROUP, Fp8, reduction_width
 
 #: Interpreter: encode and decode e4m3 in integer arithmetic (see the module docstring).
 SOFTWARE = interpreting()
@@ -126,12 +125,13 @@ def _store_columns(q_ptr, s_ptr, b, o_m, o_c, i_m, stride_q, stride_s, cols, SOF
 @triton.jit
 def _quantize_activation_kernel(
     x_ptr,  # [M, F]
-    q_ptr,  # [Mp, F]
-    s_ptr,  # [F / G, Mp]
+    q_ptr,  # [Mp, Fp]: F padded with zeros to the GEMM's reduction width
+    s_ptr,  # [Fp / G, Mp]
     qt_ptr,  # [F, Mp], or None
     st_ptr,  # [Mp / G, F], or None
     M,
     F,
+    Fp,
     Mp,
     stride_x,
     BM: tl.constexpr,
@@ -143,20 +143,22 @@ def _quantize_activation_kernel(
     o_f = i_f * G + tl.arange(0, G)
     mask = (o_m[:, None] < M) & (o_f[None, :] < F)
     b_x = tl.load(x_ptr + o_m[:, None] * stride_x + o_f[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_rows(q_ptr, s_ptr, b_x, o_m, o_f, i_f, F, Mp, F, SOFTWARE_)
-    if qt_ptr is not None:
-        _store_columns(qt_ptr, st_ptr, b_x, o_m, o_f, i_m, Mp, F, F, SOFTWARE_)
+    _store_rows(q_ptr, s_ptr, b_x, o_m, o_f, i_f, Fp, Mp, Fp, SOFTWARE_)
+    if qt_ptr is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if i_f * G < F:  # the transpose has no padding columns
+            _store_columns(qt_ptr, st_ptr, b_x, o_m, o_f, i_m, Mp, F, F, SOFTWARE_)
 
 
 @triton.jit
 def _quantize_weight_kernel(
     w_ptr,  # [R, C]
-    q_ptr,  # [R, C], or [C, R] transposed
-    s_ptr,  # [R / G, stride_s], or [C / G, stride_s] transposed (the padding blocks' scales are 1)
+    q_ptr,  # [R, Cp], or [C, Rp] transposed: the reduction dimension padded with zeros
+    s_ptr,  # [R / G, Cp / G], or [C / G, Rp / G] transposed
     R,
     C,
+    Rp,
+    Cp,
     stride_w,
-    stride_s,
     TRANSPOSED: tl.constexpr,
     G: tl.constexpr,
     SOFTWARE_: tl.constexpr,
@@ -169,24 +171,52 @@ def _quantize_weight_kernel(
     scale, inverse = _pow2_scale(tl.max(_amax(b_w, 1), 0))
     q = _e4m3(b_w * inverse, SOFTWARE_)
     if TRANSPOSED:
-        tl.store(q_ptr + o_c[None, :].to(tl.int64) * R + o_r[:, None], q, mask=mask)
-        tl.store(s_ptr + i_c * stride_s + i_r, scale)
+        keep = (o_r[:, None] < Rp) & (o_c[None, :] < C)
+        tl.store(q_ptr + o_c[None, :].to(tl.int64) * Rp + o_r[:, None], q, mask=keep)
+        tl.store(s_ptr + i_c * (Rp // G) + i_r, scale)
     else:
-        tl.store(q_ptr + o_r[:, None] * C + o_c[None, :], q, mask=mask)
-        tl.store(s_ptr + i_r * stride_s + i_c, scale)
+        keep = (o_r[:, None] < R) & (o_c[None, :] < Cp)
+        tl.store(q_ptr + o_r[:, None] * Cp + o_c[None, :], q, mask=keep)
+        tl.store(s_ptr + i_r * (Cp // G) + i_c, scale)
+
+
+@triton.jit
+def _glu_half(
+    h_ptr, k_ptr, ks_ptr, at_ptr, ats_ptr, o_m, i_m, i_p, Mp, N, gate_multiplier, down_multiplier,
+    SAVE: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, CHUNK_: tl.constexpr, SOFTWARE_: tl.constexpr
+):  # fmt: skip
+    """One group of G packed columns (``i_p``: G / 2 intermediate columns) of the forward pass: the
+    kept tensor's group and ``a``'s transposed columns stored; ``down_multiplier * a`` [BM, G / 2]
+    returned for ``a``'s rows."""
+    o_p = i_p * G + tl.arange(0, G)
+    o_n = i_p * (G // 2) + tl.arange(0, G // 2)
+    b_h = tl.load(h_ptr + o_m[:, None] * (2 * N) + o_p[None, :], mask=o_p[None, :] < 2 * N, other=0.0)
+    b_up, b_gate = unpack_columns(b_h.to(tl.float32), BM, G, CHUNK_)
+    b_silu, b_slope = silu_and_slope(b_gate * gate_multiplier)
+    b_a = b_silu * b_up * down_multiplier
+    if k_ptr is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if i_p * G < 2 * N:  # not a padding group
+            if SAVE == 1:
+                b_kept = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, G, CHUNK_)
+            else:
+                b_kept = pack_columns(b_up, b_gate, BM, G, CHUNK_)
+            _store_rows(k_ptr, ks_ptr, b_kept, o_m, o_p, i_p, 2 * N, Mp, 2 * N, SOFTWARE_)
+            _store_columns(at_ptr, ats_ptr, b_a, o_m, o_n, i_m, Mp, N, N, SOFTWARE_)
+    return b_a
 
 
 @triton.jit
 def _glu_forward_kernel(  # N: the intermediate size
     h_ptr,  # [Mp, 2N] packed [u | g] chunks, the gate/up GEMM's output
-    a_ptr,  # [Mp, N] e4m3
-    as_ptr,  # [N / G, Mp]
+    a_ptr,  # [Mp, Np] e4m3: N padded with zeros to the down GEMM's reduction width
+    as_ptr,  # [Np / G, Mp]
     at_ptr,  # [N, Mp] e4m3, or None (inference)
     ats_ptr,  # [Mp / G, N]
     k_ptr,  # [Mp, 2N] e4m3 packed: factors or pre-activations, or None
     ks_ptr,  # [2N / G, Mp]
     Mp,
     N,
+    Np,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,  # 1: factors [silu(g) | gate_multiplier * u * silu'(g)]; 2: [u | unscaled g]
@@ -195,28 +225,16 @@ def _glu_forward_kernel(  # N: the intermediate size
     CHUNK_: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
+    # A tile is G intermediate columns (one group of a's rows), done in two halves of G packed
+    # columns (one group of the kept tensor's rows each): half the registers of the whole tile.
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
-    o_n = i_n * G + tl.arange(0, G)  # intermediate columns
-    o_p = 2 * i_n * G + tl.arange(0, 2 * G)  # packed columns
-    b_h = tl.load(h_ptr + o_m[:, None] * (2 * N) + o_p[None, :]).to(tl.float32)
-    b_up, b_gate = unpack_columns(b_h, BM, 2 * G, CHUNK_)
-    b_silu, b_slope = silu_and_slope(b_gate * gate_multiplier)
-    b_a = b_silu * b_up * down_multiplier
-    _store_rows(a_ptr, as_ptr, b_a, o_m, o_n, i_n, N, Mp, N, SOFTWARE_)
-    if at_ptr is not None:
-        _store_columns(at_ptr, ats_ptr, b_a, o_m, o_n, i_m, Mp, N, N, SOFTWARE_)
-    if k_ptr is not None:
-        if SAVE == 1:
-            b_first, b_second = b_silu, b_up * b_slope * gate_multiplier
-        else:
-            b_first, b_second = b_up, b_gate
-        b_kept = pack_columns(b_first, b_second, BM, 2 * G, CHUNK_)
-        # Groups of G packed columns: each holds the first and second halves of G / 2 columns.
-        b_lo, b_hi = split_halves(b_kept, BM, 2 * G)
-        o_lo = 2 * i_n * G + tl.arange(0, G)
-        _store_rows(k_ptr, ks_ptr, b_lo, o_m, o_lo, 2 * i_n, 2 * N, Mp, 2 * N, SOFTWARE_)
-        _store_rows(k_ptr, ks_ptr, b_hi, o_m, o_lo + G, 2 * i_n + 1, 2 * N, Mp, 2 * N, SOFTWARE_)
+    meta = (Mp, N, gate_multiplier, down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_)
+    b_lo = _glu_half(h_ptr, k_ptr, ks_ptr, at_ptr, ats_ptr, o_m, i_m, 2 * i_n, *meta)
+    b_hi = _glu_half(h_ptr, k_ptr, ks_ptr, at_ptr, ats_ptr, o_m, i_m, 2 * i_n + 1, *meta)
+    b_a = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BM, G))  # [lo | hi]
+    o_n = i_n * G + tl.arange(0, G)
+    _store_rows(a_ptr, as_ptr, b_a, o_m, o_n, i_n, Np, Mp, Np, SOFTWARE_)
 
 
 @triton.jit
@@ -224,12 +242,13 @@ def _glu_backward_kernel(  # N: the intermediate size
     da_ptr,  # [Mp, N] dA = dY @ W_down (before the down multiplier)
     k_ptr,  # [Mp, 2N] e4m3 packed, kept by the forward
     ks_ptr,  # [2N / G, Mp]
-    g_ptr,  # [Mp, 2N] e4m3 packed [dU | dG], or None
-    gs_ptr,  # [2N / G, Mp]
+    g_ptr,  # [Mp, 2Np] e4m3 packed [dU | dG], 2N padded with zeros to dX's reduction width; or None
+    gs_ptr,  # [2Np / G, Mp]
     gt_ptr,  # [2N, Mp] e4m3, or None
     gts_ptr,  # [Mp / G, 2N]
     Mp,
     N,
+    Np2,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,
@@ -242,9 +261,11 @@ def _glu_backward_kernel(  # N: the intermediate size
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
     o_n = i_p * (G // 2) + tl.arange(0, G // 2)  # its G / 2 intermediate columns
     o_p = i_p * G + tl.arange(0, G)
-    b_da = tl.load(da_ptr + o_m[:, None] * N + o_n[None, :]).to(tl.float32) * down_multiplier
-    b_k = _from_e4m3(tl.load(k_ptr + o_m[:, None] * (2 * N) + o_p[None, :]), SOFTWARE_)
-    b_k = b_k * tl.load(ks_ptr + i_p * Mp + o_m)[:, None]
+    inside = o_p[None, :] < 2 * N
+    b_da = tl.load(da_ptr + o_m[:, None] * N + o_n[None, :], mask=o_n[None, :] < N, other=0.0)
+    b_da = b_da.to(tl.float32) * down_multiplier
+    b_k = _from_e4m3(tl.load(k_ptr + o_m[:, None] * (2 * N) + o_p[None, :], mask=inside, other=0), SOFTWARE_)
+    b_k = b_k * tl.load(ks_ptr + i_p * Mp + o_m, mask=i_p * G < 2 * N, other=1.0)[:, None]
     b_first, b_second = unpack_columns(b_k, BM, G, CHUNK_)
     if SAVE == 1:
         b_du, b_dg = b_da * b_first, b_da * b_second
@@ -253,9 +274,10 @@ def _glu_backward_kernel(  # N: the intermediate size
         b_du, b_dg = b_da * b_silu, b_da * b_first * b_slope * gate_multiplier
     b_grad = pack_columns(b_du, b_dg, BM, G, CHUNK_)
     if g_ptr is not None:
-        _store_rows(g_ptr, gs_ptr, b_grad, o_m, o_p, i_p, 2 * N, Mp, 2 * N, SOFTWARE_)
-    if gt_ptr is not None:
-        _store_columns(gt_ptr, gts_ptr, b_grad, o_m, o_p, i_m, Mp, 2 * N, 2 * N, SOFTWARE_)
+        _store_rows(g_ptr, gs_ptr, b_grad, o_m, o_p, i_p, Np2, Mp, Np2, SOFTWARE_)
+    if gt_ptr is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if i_p * G < 2 * N:  # not a padding group
+            _store_columns(gt_ptr, gts_ptr, b_grad, o_m, o_p, i_m, Mp, 2 * N, 2 * N, SOFTWARE_)
 
 
 _launch_quantize_activation = KernelLauncher(_quantize_activation_kernel)
@@ -276,16 +298,16 @@ def _stored(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8) if SOFTWARE and t is not None else t
 
 
-def quantize_activation(x: torch.Tensor, rows: int, transposed: bool) -> tuple[Fp8, Fp8 | None]:
-    """x [M, F] (F a multiple of GROUP) as rows [rows, F] (``rows`` >= M: zero rows after M), and with
+def quantize_activation(x: torch.Tensor, rows: int, transposed: bool, width: int) -> tuple[Fp8, Fp8 | None]:
+    """x [M, F] as rows [rows, width] (``rows`` >= M, ``width`` >= F: zeros past x), and with
     ``transposed`` its transpose as rows [F, rows]."""
     m, f = x.shape
-    q, s = empty((rows, f), x, E4M3), empty((cdiv(f, GROUP), rows), x, torch.float32)
+    q, s = empty((rows, width), x, E4M3), empty((cdiv(width, GROUP), rows), x, torch.float32)
     qt = st = None
     if transposed:
         qt, st = empty((f, rows), x, E4M3), empty((rows // GROUP, f), x, torch.float32)
     _launch_quantize_activation(
-        (rows // GROUP, cdiv(f, GROUP)),
+        (rows // GROUP, cdiv(width, GROUP)),
         x,
         _stored(q),
         s,
@@ -293,6 +315,7 @@ def quantize_activation(x: torch.Tensor, rows: int, transposed: bool) -> tuple[F
         st,
         m,
         f,
+        width,
         rows,
         x.stride(0),
         BM=GROUP,
@@ -304,23 +327,23 @@ def quantize_activation(x: torch.Tensor, rows: int, transposed: bool) -> tuple[F
 
 
 def quantize_weight(w: torch.Tensor, transposed: bool) -> Fp8:
-    """w [R, C] in 128 x 128 blocks, as it is or transposed ([C, R]); the scales' rows padded to a
-    multiple of 4 blocks (format.py)."""
+    """w [R, C] in 128 x 128 blocks, as it is ([R, Cp]) or transposed ([C, Rp]), the reduction
+    dimension padded with zeros to ``reduction_width`` (format.py)."""
     r, c = w.shape
-    rows, cols = (c, r) if transposed else (r, c)
-    stride_s = block_columns(cols)
-    q, s = empty((rows, cols), w, E4M3), empty((cdiv(rows, GROUP), stride_s), w, torch.float32)
-    # A program per block of the scales, padding included (its blocks read nothing and scale by 1).
-    grid = (stride_s, cdiv(c, GROUP)) if transposed else (cdiv(r, GROUP), stride_s)
+    rp, cp = (reduction_width(r), c) if transposed else (r, reduction_width(c))
+    shape = (c, rp) if transposed else (r, cp)
+    q = empty(shape, w, E4M3)
+    s = empty((cdiv(shape[0], GROUP), shape[1] // GROUP), w, torch.float32)
     _launch_quantize_weight(
-        grid,
+        (cdiv(rp, GROUP), cdiv(cp, GROUP)),
         w,
         _stored(q),
         s,
         r,
         c,
+        rp,
+        cp,
         w.stride(0),
-        stride_s,
         TRANSPOSED=transposed,
         G=GROUP,
         SOFTWARE_=SOFTWARE,
@@ -330,18 +353,19 @@ def quantize_weight(w: torch.Tensor, transposed: bool) -> Fp8:
 
 
 def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multiplier: float):
-    """From the packed pre-activation h [Mp, 2I]: ``a`` (rows), and for training (``save`` 1:
-    factors, 2: pre-activations) ``a``'s transpose (rows) and the kept tensor (rows, packed);
-    ``save`` 0 (inference): ``a`` only."""
+    """From the packed pre-activation h [Mp, 2I]: ``a`` as rows [Mp, reduction_width(I)], and for
+    training (``save`` 1: factors, 2: pre-activations) ``a``'s transpose (rows) and the kept tensor
+    (rows, packed); ``save`` 0 (inference): ``a`` only."""
     mp, two_inter = h.shape
     inter = two_inter // 2
-    a = Fp8(empty((mp, inter), h, E4M3), empty((inter // GROUP, mp), h, torch.float32))
+    width = reduction_width(inter)
+    a = Fp8(empty((mp, width), h, E4M3), empty((width // GROUP, mp), h, torch.float32))
     at = kept = None
     if save:
         at = Fp8(empty((inter, mp), h, E4M3), empty((mp // GROUP, inter), h, torch.float32))
         kept = Fp8(empty((mp, two_inter), h, E4M3), empty((two_inter // GROUP, mp), h, torch.float32))
     _launch_glu_forward(
-        (mp // GROUP, inter // GROUP),
+        (mp // GROUP, width // GROUP),
         h,
         _stored(a.data),
         a.scales,
@@ -351,6 +375,7 @@ def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multipl
         kept.scales if save else None,
         mp,
         inter,
+        width,
         float(gate_multiplier),
         float(down_multiplier),
         SAVE=save,
@@ -372,16 +397,18 @@ def glu_backward(
     rows: bool,
     transposed: bool,
 ) -> tuple[Fp8 | None, Fp8 | None]:
-    """The packed gradient [dU | dG] from dA [Mp, I] and the forward's kept tensor: as rows (for dX)
-    and its transpose as rows (for dW_gate_up), each where asked."""
+    """The packed gradient [dU | dG] from dA [Mp, I] and the forward's kept tensor: as rows
+    [Mp, reduction_width(2I)] (for dX) and its transpose as rows [2I, Mp] (for dW_gate_up), each
+    where asked."""
     mp, inter = da.shape
+    width = reduction_width(2 * inter)
     grad = grad_t = None
     if rows:
-        grad = Fp8(empty((mp, 2 * inter), da, E4M3), empty((2 * inter // GROUP, mp), da, torch.float32))
+        grad = Fp8(empty((mp, width), da, E4M3), empty((width // GROUP, mp), da, torch.float32))
     if transposed:
         grad_t = Fp8(empty((2 * inter, mp), da, E4M3), empty((mp // GROUP, 2 * inter), da, torch.float32))
     _launch_glu_backward(
-        (mp // GROUP, 2 * inter // GROUP),
+        (mp // GROUP, (width if rows else 2 * inter) // GROUP),
         da,
         _stored(kept.data),
         kept.scales,
@@ -391,6 +418,7 @@ def glu_backward(
         grad_t.scales if transposed else None,
         mp,
         inter,
+        width,
         float(gate_multiplier),
         float(down_multiplier),
         SAVE=save,

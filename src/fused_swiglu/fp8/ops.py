@@ -30,7 +30,7 @@ from ..kernels.plans import planned
 from ..library import define
 from ..ops import _on_tensor_device, _refuse_double_backward
 from . import kernels
-from .format import GROUP, Fp8, block_columns, mm, padded_rows
+from .format import GROUP, Fp8, mm, padded_rows, reduction_width
 
 #: What training keeps, by save mode, as the passes' constexpr (0: nothing, inference).
 KEPT = {"factors": 1, "preact": 2}
@@ -44,7 +44,7 @@ def _none_to_empty(*tensors, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
 @_on_tensor_device
 @planned
 def _quantize(x, rows, transposed):
-    data, t = kernels.quantize_activation(x, rows, transposed)
+    data, t = kernels.quantize_activation(x, rows, transposed, reduction_width(x.shape[1]))
     rest = (t.data, t.scales) if transposed else (None, None)
     return _none_to_empty(data.data, data.scales, *rest, like=x)
 
@@ -57,7 +57,8 @@ def _quantize_fake(x, rows, transposed):
         if transposed
         else (None, None)
     )
-    data = (x.new_empty(rows, f, dtype=e4m3), x.new_empty(-(-f // GROUP), rows, dtype=f32))
+    width = reduction_width(f)
+    data = (x.new_empty(rows, width, dtype=e4m3), x.new_empty(width // GROUP, rows, dtype=f32))
     return _none_to_empty(*data, *rest, like=x)
 
 
@@ -77,8 +78,9 @@ def _quantize_weight(w, transposed):
 
 def _quantize_weight_fake(w, transposed):
     r, c = w.shape[::-1] if transposed else w.shape
+    width = reduction_width(c)
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
-    return w.new_empty(r, c, dtype=e4m3), w.new_empty(-(-r // GROUP), block_columns(c), dtype=f32)
+    return w.new_empty(r, width, dtype=e4m3), w.new_empty(-(-r // GROUP), width // GROUP, dtype=f32)
 
 
 quantize_weight = define(
@@ -99,8 +101,9 @@ def _glu_forward(h, kept, gate_multiplier, down_multiplier):
 def _glu_forward_fake(h, kept, gate_multiplier, down_multiplier):
     mp, two_inter = h.shape
     inter = two_inter // 2
+    width = reduction_width(inter)
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
-    a = (h.new_empty(mp, inter, dtype=e4m3), h.new_empty(inter // GROUP, mp, dtype=f32))
+    a = (h.new_empty(mp, width, dtype=e4m3), h.new_empty(width // GROUP, mp, dtype=f32))
     if not kept:
         return _none_to_empty(*a, None, None, None, None, like=h)
     a_t = (h.new_empty(inter, mp, dtype=e4m3), h.new_empty(mp // GROUP, inter, dtype=f32))
@@ -128,9 +131,10 @@ def _glu_backward(da, kept_data, kept_scales, kept, gate_multiplier, down_multip
 
 def _glu_backward_fake(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed):
     mp, inter = da.shape
+    width = reduction_width(2 * inter)
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     pieces = (
-        (da.new_empty(mp, 2 * inter, dtype=e4m3), da.new_empty(2 * inter // GROUP, mp, dtype=f32))
+        (da.new_empty(mp, width, dtype=e4m3), da.new_empty(width // GROUP, mp, dtype=f32))
         if rows
         else (None, None)
     )

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import pack_gate_up, split_packed_columns
-from .format import Fp8, dequantize, padded_rows, quantize_blocks, quantize_rows
+from .format import Fp8, dequantize, padded_rows, quantize_blocks, quantize_rows, reduction_width
 
 
 def _silu_and_slope(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,10 +27,11 @@ def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multipl
     up, gate = (t.float() for t in split_packed_columns(h))
     silu, slope = _silu_and_slope(gate * gate_multiplier)
     a = silu * up * down_multiplier
+    a_rows = quantize_rows(a, width=reduction_width(a.shape[1]))
     if not save:
-        return quantize_rows(a), None, None
+        return a_rows, None, None
     first, second = (silu, up * slope * gate_multiplier) if save == 1 else (up, gate)
-    return quantize_rows(a), quantize_rows(a.t()), quantize_rows(_packed(first, second))
+    return a_rows, quantize_rows(a.t()), quantize_rows(_packed(first, second))
 
 
 def glu_backward(da: torch.Tensor, kept: Fp8, save: int, gate_multiplier: float, down_multiplier: float):
@@ -43,7 +44,7 @@ def glu_backward(da: torch.Tensor, kept: Fp8, save: int, gate_multiplier: float,
         silu, slope = _silu_and_slope(second * gate_multiplier)
         du, dg = da * silu, da * first * slope * gate_multiplier
     grad = _packed(du, dg)
-    return quantize_rows(grad), quantize_rows(grad.t())
+    return quantize_rows(grad, width=reduction_width(grad.shape[1])), quantize_rows(grad.t())
 
 
 def _mm(a: Fp8, b: Fp8) -> torch.Tensor:
@@ -53,16 +54,18 @@ def _mm(a: Fp8, b: Fp8) -> torch.Tensor:
 def swiglu_mlp_fp8(x, gate_up_weight, down_weight, dy, *, gate_multiplier=1.0, down_multiplier=1.0, save=1):
     """The FP8 step in PyTorch: y and (dX, dW_gate_up, dW_down) for the output gradient ``dy``,
     every GEMM's output rounded to ``x``'s dtype where the path rounds it (h, dA)."""
-    m = x.shape[0]
-    rows = padded_rows(m)
+    (m, hidden), inter = x.shape, down_weight.shape[1]
+    rows, hidden_width, inter_width = padded_rows(m), reduction_width(hidden), reduction_width(inter)
     x_pad = F.pad(x.float(), (0, 0, 0, rows - m))
-    h = _mm(quantize_rows(x_pad), quantize_blocks(gate_up_weight)).to(x.dtype)
+    h = _mm(quantize_rows(x_pad, width=hidden_width), quantize_blocks(gate_up_weight, hidden_width)).to(
+        x.dtype
+    )
     a, a_t, kept = glu_forward(h, save, gate_multiplier, down_multiplier)
-    y = _mm(a, quantize_blocks(down_weight))[:m]
+    y = _mm(a, quantize_blocks(down_weight, inter_width))[:m]
     dy_pad = F.pad(dy.float(), (0, 0, 0, rows - m))
-    da = _mm(quantize_rows(dy_pad), quantize_blocks(down_weight.t())).to(x.dtype)
+    da = _mm(quantize_rows(dy_pad, width=hidden_width), quantize_blocks(down_weight.t(), hidden_width))
     dw_down = _mm(quantize_rows(dy_pad.t()), a_t)
-    grad, grad_t = glu_backward(da, kept, save, gate_multiplier, down_multiplier)
-    dx = _mm(grad, quantize_blocks(gate_up_weight.t()))[:m]
+    grad, grad_t = glu_backward(da.to(x.dtype), kept, save, gate_multiplier, down_multiplier)
+    dx = _mm(grad, quantize_blocks(gate_up_weight.t(), reduction_width(2 * inter)))[:m]
     dw_gate_up = _mm(grad_t, quantize_rows(x_pad.t()))
     return y, (dx, dw_gate_up, dw_down)
