@@ -35,3 +35,7 @@ def test_chosen_configs_fit_an_sm90_block():
     # The routed experts' Gluon backward over the tile table, with and without the weights' gradient.
     assert "bfloat16 routed experts backward FACTORS (warp-specialized)" in done.stdout
     assert "bfloat16 routed experts backward, no weights' gradient FACTORS (warp-specialized)" in done.stdout
+    # The FP8 path's passes, every variant.
+    assert "bfloat16 fp8 SwiGLU pass FACTORS" in done.stdout
+    assert "float32 fp8 quantize activation and transpose" in done.stdout
+    assert "bfloat16 fp8 SwiGLU gradient pass PREACT" in done.stdout

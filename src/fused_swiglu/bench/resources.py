@@ -45,7 +45,14 @@ from ..experts.kernels.routes import (
 )
 from ..kernels import glu_backward_ws, glu_forward_ws, hopper_ws
 from ..kernels.common import CHUNK, Saved
-from ..kernels.configs import EXPERT_ROWS, TileConfig, backward_config, forward_config
+from ..kernels.configs import (
+    EXPERT_ROWS,
+    FP8_FORWARD_PASS_WARPS,
+    FP8_PASS_WARPS,
+    TileConfig,
+    backward_config,
+    forward_config,
+)
 from ..kernels.glu_backward import _glu_backward_kernel
 from ..kernels.glu_forward import _glu_forward_kernel
 from .run import SHAPES
@@ -264,6 +271,67 @@ def warp_specialized_forward_kernel(dtype: torch.dtype, save: Saved, target: GPU
     return c, _compile_gluon(glu_forward_ws._glu_forward_ws_kernel, blocks, constants, c, dtype, target)
 
 
+def fp8_kernels(target: GPUTarget = SM90):
+    """The FP8 path's passes (fp8/kernels.py) as launched, every variant: (label, tile, kernel)."""
+    from ..fp8 import kernels as fp8
+
+    def compile_(fn, descriptors: dict, scalars: dict, constants: dict, warps: int = FP8_PASS_WARPS):
+        signature = {**descriptors, **scalars, **dict.fromkeys(constants, "constexpr")}
+        signature = {name: signature[name] for name in fn.arg_names}
+        aligned = [i for i, n in enumerate(fn.arg_names) if signature[n].startswith("*")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+        source = ASTSource(fn, signature, constants, attrs)
+        return triton.compile(source, target=target, options={"num_warps": warps})
+
+    g = 128
+    e4m3 = "tensordesc<fp8e4nv[{}, {}]>"
+    shared = {"G": g, "SOFTWARE_": False}
+    for dtype, transposed in itertools.product((torch.bfloat16, torch.float32), (False, True)):
+        descriptors = {"x_desc": _descriptor_type([g, g], dtype), "q_desc": e4m3.format(g, g)}
+        scalars = {"s_ptr": "*fp32", "F": "i32", "Mp": "i32"}
+        constants = {"BM": g, **shared}
+        if transposed:
+            descriptors["qt_desc"], scalars["st_ptr"] = e4m3.format(g, g), "*fp32"
+        else:
+            constants |= {"qt_desc": None, "st_ptr": None}
+        kernel = compile_(fp8._quantize_activation_kernel, descriptors, scalars, constants)
+        name = str(dtype).removeprefix("torch.")
+        yield f"{name} fp8 quantize activation{' and transpose' if transposed else ''}", f"{g}x{g}", kernel
+        descriptors = {"w_desc": _descriptor_type([g, g], dtype), "q_desc": e4m3.format(g, g)}
+        kernel = compile_(
+            fp8._quantize_weight_kernel, descriptors, {"s_ptr": "*fp32"}, {"TRANSPOSED": transposed, **shared}
+        )
+        yield f"{name} fp8 quantize weight{' transposed' if transposed else ''}", f"{g}x{g}", kernel
+    for save in (0, 1, 2):
+        descriptors = {"h_desc": _descriptor_type([g, g], torch.bfloat16), "a_desc": e4m3.format(g, g)}
+        scalars = {
+            "as_ptr": "*fp32",
+            "Mp": "i32",
+            "N": "i32",
+            "gate_multiplier": "fp32",
+            "down_multiplier": "fp32",
+        }
+        constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
+        if save:
+            descriptors |= {"at_desc": e4m3.format(g // 2, g), "k_desc": e4m3.format(g, g)}
+            scalars |= {"ats_ptr": "*fp32", "ks_ptr": "*fp32"}
+        else:
+            constants |= dict.fromkeys(("at_desc", "ats_ptr", "k_desc", "ks_ptr"))
+        kernel = compile_(fp8._glu_forward_kernel, descriptors, scalars, constants, FP8_FORWARD_PASS_WARPS)
+        yield f"bfloat16 fp8 SwiGLU pass {Saved(save).name}", f"{g}x{g}", kernel
+        if save:
+            descriptors = {
+                "da_desc": _descriptor_type([g, g // 2], torch.bfloat16),
+                "k_desc": e4m3.format(g, g),
+            }
+            descriptors |= {"g_desc": e4m3.format(g, g), "gt_desc": e4m3.format(g, g)}
+            scalars = {"ks_ptr": "*fp32", "gs_ptr": "*fp32", "gts_ptr": "*fp32", "Mp": "i32", "N": "i32"}
+            scalars |= {"gate_multiplier": "fp32", "down_multiplier": "fp32"}
+            constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
+            kernel = compile_(fp8._glu_backward_kernel, descriptors, scalars, constants)
+            yield f"bfloat16 fp8 SwiGLU gradient pass {Saved(save).name}", f"{g}x{g}", kernel
+
+
 def resources(kernel) -> dict:
     """Registers per thread and spilled bytes from the cubin, shared memory from the compiler."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -431,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
             label = f"M>64 {str(dtype).removeprefix('torch.')} {family} {save.name} (warp-specialized)"
             if not _report(label, tile, resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
                 failed.append(label)
+    for label, tile, kernel in fp8_kernels(target):
+        if not _report(label, tile, resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
+            failed.append(label)
     if failed and args.check:
         print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT[args.arch]} bytes of shared memory or spill")
         return 1

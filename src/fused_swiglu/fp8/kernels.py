@@ -11,10 +11,12 @@ defines what they write; it is their reference):
   and its transpose as rows for dW_gate_up.
 
 A tile is 128 rows (one group of tokens) by one group of columns, so each tile finds its own
-scales. Under Triton's interpreter (CPU tests), which rounds to e4m3 wrongly (triton 3.6: ties
-away from even, 127 to 64, NaN to 384) and reads NaN codes as 480, the kernels encode and decode
-e4m3 in integer arithmetic and store bytes (``SOFTWARE``), to the same result as the GPU's
-conversion (round to nearest even).
+scales. Tiles move through TMA descriptors: no pointer per element in registers (a [128, 128] tile
+stored through pointers spilled on sm_90), reads past a tensor's edge are zeros (the padding rows
+and columns) and writes past it are dropped. Under Triton's interpreter (CPU tests), which rounds
+to e4m3 wrongly (triton 3.6: ties away from even, 127 to 64, NaN to 384) and reads NaN codes as
+480, the kernels encode and decode e4m3 in integer arithmetic and store bytes (``SOFTWARE``), to
+the same result as the GPU's conversion (round to nearest even).
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ import triton.language as tl
 from ..kernels.common import (
     CHUNK,
     cdiv,
+    descriptor,
     empty,
     interpreting,
     pack_columns,
     silu_and_slope,
+    tma_ready,
     unpack_columns,
 )
-from ..kernels.launch import KernelLauncher
+from ..kernels.configs import FP8_FORWARD_PASS_WARPS, FP8_PASS_WARPS
+from ..kernels.launch import KernelLauncher, Tma
 from .format import E4M3, GROUP, Fp8, reduction_width
 
 #: Interpreter: encode and decode e4m3 in integer arithmetic (see the module docstring).
@@ -101,122 +106,105 @@ def _from_e4m3(b, SOFTWARE_: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(q_ptr, s_ptr, b, o_m, o_c, i_g, stride_q, stride_s, cols, SOFTWARE_: tl.constexpr):
-    """``b`` [BM, G] (one group of columns per row) quantized: data at rows ``o_m``, columns
-    ``o_c`` of a [*, stride_q] tensor, scales at [i_g, o_m] of [*, stride_s]."""
-    scale, inverse = _pow2_scale(_amax(b, 1))  # [BM]
-    q = _e4m3(b * inverse[:, None], SOFTWARE_)
-    mask = o_c[None, :] < cols
-    tl.store(q_ptr + o_m[:, None] * stride_q + o_c[None, :], q, mask=mask)
-    tl.store(s_ptr + i_g * stride_s + o_m, scale)
+def _quantized_rows(b, SOFTWARE_: tl.constexpr):
+    """``b`` [R, G] in e4m3 (codes under the interpreter), one scale per row."""
+    scale, inverse = _pow2_scale(_amax(b, 1))
+    return _e4m3(b * inverse[:, None], SOFTWARE_), scale
 
 
 @triton.jit
-def _store_columns(q_ptr, s_ptr, b, o_m, o_c, i_m, stride_q, stride_s, cols, SOFTWARE_: tl.constexpr):
-    """``b`` [BM, W] quantized down its columns (one group of rows): the transpose's data at rows
-    ``o_c``, columns ``o_m`` of a [cols, stride_q] tensor; scales at [i_m, o_c] of [*, stride_s]."""
-    scale, inverse = _pow2_scale(_amax(b, 0))  # [W]
-    q = _e4m3(b * inverse[None, :], SOFTWARE_)
-    mask = o_c[None, :] < cols
-    tl.store(q_ptr + o_c[None, :].to(tl.int64) * stride_q + o_m[:, None], q, mask=mask)
-    tl.store(s_ptr + i_m * stride_s + o_c, scale, mask=o_c < cols)
+def _quantized_columns(b, SOFTWARE_: tl.constexpr):
+    """``b`` [BM, W] quantized down its columns, transposed: [W, BM] e4m3, one scale per column."""
+    scale, inverse = _pow2_scale(_amax(b, 0))
+    return tl.trans(_e4m3(b * inverse[None, :], SOFTWARE_)), scale
 
 
 @triton.jit
 def _quantize_activation_kernel(
-    x_ptr,  # [M, F]
-    q_ptr,  # [Mp, Fp]: F padded with zeros to the GEMM's reduction width
+    x_desc,  # [M, F], tiles [BM, G]
+    q_desc,  # [Mp, Fp]: F padded with zeros to the GEMM's reduction width
     s_ptr,  # [Fp / G, Mp]
-    qt_ptr,  # [F, Mp], or None
+    qt_desc,  # [F, Mp], tiles [G, BM]; or None
     st_ptr,  # [Mp / G, F], or None
-    M,
     F,
-    Fp,
     Mp,
-    stride_x,
     BM: tl.constexpr,
     G: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
     i_m, i_f = tl.program_id(0), tl.program_id(1)
-    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
-    o_f = i_f * G + tl.arange(0, G)
-    mask = (o_m[:, None] < M) & (o_f[None, :] < F)
-    b_x = tl.load(x_ptr + o_m[:, None] * stride_x + o_f[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_rows(q_ptr, s_ptr, b_x, o_m, o_f, i_f, Fp, Mp, Fp, SOFTWARE_)
-    if qt_ptr is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
-        if i_f * G < F:  # the transpose has no padding columns
-            _store_columns(qt_ptr, st_ptr, b_x, o_m, o_f, i_m, Mp, F, F, SOFTWARE_)
+    o_m, o_f = i_m * BM, i_f * G
+    b_x = x_desc.load([o_m, o_f]).to(tl.float32)
+    q, scale = _quantized_rows(b_x, SOFTWARE_)
+    q_desc.store([o_m, o_f], q)
+    tl.store(s_ptr + i_f.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
+    if qt_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if o_f < F:  # the transpose has no padding columns
+            q_t, scale_t = _quantized_columns(b_x, SOFTWARE_)
+            qt_desc.store([o_f, o_m], q_t)
+            o_c = o_f + tl.arange(0, G)
+            tl.store(st_ptr + i_m.to(tl.int64) * F + o_c, scale_t, mask=o_c < F)
 
 
 @triton.jit
 def _quantize_weight_kernel(
-    w_ptr,  # [R, C]
-    q_ptr,  # [R, Cp], or [C, Rp] transposed: the reduction dimension padded with zeros
+    w_desc,  # [R, C], tiles [G, G]
+    q_desc,  # [R, Cp], or [C, Rp] transposed: the reduction dimension padded with zeros
     s_ptr,  # [R / G, Cp / G], or [C / G, Rp / G] transposed
-    R,
-    C,
-    Rp,
-    Cp,
-    stride_w,
     TRANSPOSED: tl.constexpr,
     G: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
     i_r, i_c = tl.program_id(0), tl.program_id(1)
-    o_r = (i_r * G + tl.arange(0, G)).to(tl.int64)
-    o_c = i_c * G + tl.arange(0, G)
-    mask = (o_r[:, None] < R) & (o_c[None, :] < C)
-    b_w = tl.load(w_ptr + o_r[:, None] * stride_w + o_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_w = w_desc.load([i_r * G, i_c * G]).to(tl.float32)
     scale, inverse = _pow2_scale(tl.max(_amax(b_w, 1), 0))
     q = _e4m3(b_w * inverse, SOFTWARE_)
     if TRANSPOSED:
-        keep = (o_r[:, None] < Rp) & (o_c[None, :] < C)
-        tl.store(q_ptr + o_c[None, :].to(tl.int64) * Rp + o_r[:, None], q, mask=keep)
-        tl.store(s_ptr + i_c * (Rp // G) + i_r, scale)
+        q_desc.store([i_c * G, i_r * G], tl.trans(q))
+        tl.store(s_ptr + i_c * tl.num_programs(0) + i_r, scale)
     else:
-        keep = (o_r[:, None] < R) & (o_c[None, :] < Cp)
-        tl.store(q_ptr + o_r[:, None] * Cp + o_c[None, :], q, mask=keep)
-        tl.store(s_ptr + i_r * (Cp // G) + i_c, scale)
+        q_desc.store([i_r * G, i_c * G], q)
+        tl.store(s_ptr + i_r * tl.num_programs(1) + i_c, scale)
 
 
 @triton.jit
 def _glu_half(
-    h_ptr, k_ptr, ks_ptr, at_ptr, ats_ptr, o_m, i_m, i_p, Mp, N, gate_multiplier, down_multiplier,
+    h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, i_p, Mp, N, gate_multiplier, down_multiplier,
     SAVE: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, CHUNK_: tl.constexpr, SOFTWARE_: tl.constexpr
 ):  # fmt: skip
     """One group of G packed columns (``i_p``: G / 2 intermediate columns) of the forward pass: the
     kept tensor's group and ``a``'s transposed columns stored; ``down_multiplier * a`` [BM, G / 2]
     returned for ``a``'s rows."""
-    o_p = i_p * G + tl.arange(0, G)
-    o_n = i_p * (G // 2) + tl.arange(0, G // 2)
-    b_h = tl.load(h_ptr + o_m[:, None] * (2 * N) + o_p[None, :], mask=o_p[None, :] < 2 * N, other=0.0)
-    b_up, b_gate = unpack_columns(b_h.to(tl.float32), BM, G, CHUNK_)
+    b_up, b_gate = unpack_columns(h_desc.load([o_m, i_p * G]).to(tl.float32), BM, G, CHUNK_)
     b_silu, b_slope = silu_and_slope(b_gate * gate_multiplier)
     b_a = b_silu * b_up * down_multiplier
-    if k_ptr is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+    if k_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
         if i_p * G < 2 * N:  # not a padding group
             if SAVE == 1:
                 b_kept = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, G, CHUNK_)
             else:
                 b_kept = pack_columns(b_up, b_gate, BM, G, CHUNK_)
-            _store_rows(k_ptr, ks_ptr, b_kept, o_m, o_p, i_p, 2 * N, Mp, 2 * N, SOFTWARE_)
-            _store_columns(at_ptr, ats_ptr, b_a, o_m, o_n, i_m, Mp, N, N, SOFTWARE_)
+            q, scale = _quantized_rows(b_kept, SOFTWARE_)
+            k_desc.store([o_m, i_p * G], q)
+            tl.store(ks_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
+            q_t, scale_t = _quantized_columns(b_a, SOFTWARE_)
+            at_desc.store([i_p * (G // 2), o_m], q_t)
+            o_n = i_p * (G // 2) + tl.arange(0, G // 2)
+            tl.store(ats_ptr + i_m.to(tl.int64) * N + o_n, scale_t, mask=o_n < N)
     return b_a
 
 
 @triton.jit
 def _glu_forward_kernel(  # N: the intermediate size
-    h_ptr,  # [Mp, 2N] packed [u | g] chunks, the gate/up GEMM's output
-    a_ptr,  # [Mp, Np] e4m3: N padded with zeros to the down GEMM's reduction width
+    h_desc,  # [Mp, 2N] packed [u | g] chunks, the gate/up GEMM's output; tiles [BM, G]
+    a_desc,  # [Mp, Np] e4m3: N padded with zeros to the down GEMM's reduction width; tiles [BM, G]
     as_ptr,  # [Np / G, Mp]
-    at_ptr,  # [N, Mp] e4m3, or None (inference)
+    at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]; or None (inference)
     ats_ptr,  # [Mp / G, N]
-    k_ptr,  # [Mp, 2N] e4m3 packed: factors or pre-activations, or None
+    k_desc,  # [Mp, 2N] e4m3 packed: factors or pre-activations, tiles [BM, G]; or None
     ks_ptr,  # [2N / G, Mp]
     Mp,
     N,
-    Np,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,  # 1: factors [silu(g) | gate_multiplier * u * silu'(g)]; 2: [u | unscaled g]
@@ -228,27 +216,32 @@ def _glu_forward_kernel(  # N: the intermediate size
     # A tile is G intermediate columns (one group of a's rows), done in two halves of G packed
     # columns (one group of the kept tensor's rows each): half the registers of the whole tile.
     i_m, i_n = tl.program_id(0), tl.program_id(1)
-    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
-    meta = (Mp, N, gate_multiplier, down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_)
-    b_lo = _glu_half(h_ptr, k_ptr, ks_ptr, at_ptr, ats_ptr, o_m, i_m, 2 * i_n, *meta)
-    b_hi = _glu_half(h_ptr, k_ptr, ks_ptr, at_ptr, ats_ptr, o_m, i_m, 2 * i_n + 1, *meta)
+    o_m = i_m * BM
+    b_lo = _glu_half(
+        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n, Mp, N, gate_multiplier, down_multiplier,
+        SAVE, BM, G, CHUNK_, SOFTWARE_,
+    )  # fmt: skip
+    b_hi = _glu_half(
+        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n + 1, Mp, N, gate_multiplier,
+        down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_,
+    )  # fmt: skip
     b_a = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BM, G))  # [lo | hi]
-    o_n = i_n * G + tl.arange(0, G)
-    _store_rows(a_ptr, as_ptr, b_a, o_m, o_n, i_n, Np, Mp, Np, SOFTWARE_)
+    q, scale = _quantized_rows(b_a, SOFTWARE_)
+    a_desc.store([o_m, i_n * G], q)
+    tl.store(as_ptr + i_n.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
 
 
 @triton.jit
 def _glu_backward_kernel(  # N: the intermediate size
-    da_ptr,  # [Mp, N] dA = dY @ W_down (before the down multiplier)
-    k_ptr,  # [Mp, 2N] e4m3 packed, kept by the forward
+    da_desc,  # [Mp, N] dA = dY @ W_down (before the down multiplier), tiles [BM, G / 2]
+    k_desc,  # [Mp, 2N] e4m3 packed, kept by the forward, tiles [BM, G]
     ks_ptr,  # [2N / G, Mp]
-    g_ptr,  # [Mp, 2Np] e4m3 packed [dU | dG], 2N padded with zeros to dX's reduction width; or None
+    g_desc,  # [Mp, 2Np] e4m3 packed [dU | dG], 2N padded with zeros to dX's reduction width; or None
     gs_ptr,  # [2Np / G, Mp]
-    gt_ptr,  # [2N, Mp] e4m3, or None
+    gt_desc,  # [2N, Mp] e4m3, tiles [G, BM]; or None
     gts_ptr,  # [Mp / G, 2N]
     Mp,
     N,
-    Np2,
     gate_multiplier,
     down_multiplier,
     SAVE: tl.constexpr,
@@ -258,14 +251,14 @@ def _glu_backward_kernel(  # N: the intermediate size
     SOFTWARE_: tl.constexpr,
 ):
     i_m, i_p = tl.program_id(0), tl.program_id(1)  # i_p: a group of G packed columns
-    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
-    o_n = i_p * (G // 2) + tl.arange(0, G // 2)  # its G / 2 intermediate columns
-    o_p = i_p * G + tl.arange(0, G)
-    inside = o_p[None, :] < 2 * N
-    b_da = tl.load(da_ptr + o_m[:, None] * N + o_n[None, :], mask=o_n[None, :] < N, other=0.0)
-    b_da = b_da.to(tl.float32) * down_multiplier
-    b_k = _from_e4m3(tl.load(k_ptr + o_m[:, None] * (2 * N) + o_p[None, :], mask=inside, other=0), SOFTWARE_)
-    b_k = b_k * tl.load(ks_ptr + i_p * Mp + o_m, mask=i_p * G < 2 * N, other=1.0)[:, None]
+    o_m, o_p = i_m * BM, i_p * G
+    b_da = da_desc.load([o_m, i_p * (G // 2)]).to(tl.float32) * down_multiplier
+    b_k = _from_e4m3(k_desc.load([o_m, o_p]), SOFTWARE_)
+    inside = o_p < 2 * N  # else a padding group: dA and the kept tensor read as zeros
+    b_k = (
+        b_k
+        * tl.load(ks_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), mask=inside, other=1.0)[:, None]
+    )
     b_first, b_second = unpack_columns(b_k, BM, G, CHUNK_)
     if SAVE == 1:
         b_du, b_dg = b_da * b_first, b_da * b_second
@@ -273,55 +266,54 @@ def _glu_backward_kernel(  # N: the intermediate size
         b_silu, b_slope = silu_and_slope(b_second * gate_multiplier)
         b_du, b_dg = b_da * b_silu, b_da * b_first * b_slope * gate_multiplier
     b_grad = pack_columns(b_du, b_dg, BM, G, CHUNK_)
-    if g_ptr is not None:
-        _store_rows(g_ptr, gs_ptr, b_grad, o_m, o_p, i_p, Np2, Mp, Np2, SOFTWARE_)
-    if gt_ptr is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
-        if i_p * G < 2 * N:  # not a padding group
-            _store_columns(gt_ptr, gts_ptr, b_grad, o_m, o_p, i_m, Mp, 2 * N, 2 * N, SOFTWARE_)
+    if g_desc is not None:
+        q, scale = _quantized_rows(b_grad, SOFTWARE_)
+        g_desc.store([o_m, o_p], q)
+        tl.store(gs_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
+    if gt_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if inside:
+            q_t, scale_t = _quantized_columns(b_grad, SOFTWARE_)
+            gt_desc.store([o_p, o_m], q_t)
+            tl.store(gts_ptr + i_m.to(tl.int64) * (2 * N) + o_p + tl.arange(0, G), scale_t)
 
 
-_launch_quantize_activation = KernelLauncher(_quantize_activation_kernel)
-_launch_quantize_weight = KernelLauncher(_quantize_weight_kernel)
-_launch_glu_forward = KernelLauncher(_glu_forward_kernel)
-_launch_glu_backward = KernelLauncher(_glu_backward_kernel)
-
-#: Warps per program of the passes ([128, 128] tiles; the forward pass holds [128, 256]).
-PASS_WARPS = 8
+_launch_quantize_activation = KernelLauncher(_quantize_activation_kernel, descriptor)
+_launch_quantize_weight = KernelLauncher(_quantize_weight_kernel, descriptor)
+_launch_glu_forward = KernelLauncher(_glu_forward_kernel, descriptor)
+_launch_glu_backward = KernelLauncher(_glu_backward_kernel, descriptor)
 
 
-def _fp8_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return empty(shape, like, E4M3)
-
-
-def _stored(t: torch.Tensor | None) -> torch.Tensor | None:
+def _stored(t: torch.Tensor) -> torch.Tensor:
     """What a kernel writes through: e4m3, or its bytes under the interpreter."""
-    return t.view(torch.uint8) if SOFTWARE and t is not None else t
+    return t.view(torch.uint8) if SOFTWARE else t
+
+
+def _tma(t: torch.Tensor | None, block: tuple[int, int]) -> Tma | None:
+    return None if t is None else Tma(_stored(t) if t.dtype == E4M3 else t, block)
 
 
 def quantize_activation(x: torch.Tensor, rows: int, transposed: bool, width: int) -> tuple[Fp8, Fp8 | None]:
     """x [M, F] as rows [rows, width] (``rows`` >= M, ``width`` >= F: zeros past x), and with
     ``transposed`` its transpose as rows [F, rows]."""
     m, f = x.shape
+    x = tma_ready(x)
     q, s = empty((rows, width), x, E4M3), empty((cdiv(width, GROUP), rows), x, torch.float32)
     qt = st = None
     if transposed:
         qt, st = empty((f, rows), x, E4M3), empty((rows // GROUP, f), x, torch.float32)
     _launch_quantize_activation(
         (rows // GROUP, cdiv(width, GROUP)),
-        x,
-        _stored(q),
+        _tma(x, (GROUP, GROUP)),
+        _tma(q, (GROUP, GROUP)),
         s,
-        _stored(qt),
+        _tma(qt, (GROUP, GROUP)),
         st,
-        m,
         f,
-        width,
         rows,
-        x.stride(0),
         BM=GROUP,
         G=GROUP,
         SOFTWARE_=SOFTWARE,
-        num_warps=PASS_WARPS,
+        num_warps=FP8_PASS_WARPS,
     )
     return Fp8(q, s), (Fp8(qt, st) if transposed else None)
 
@@ -330,24 +322,20 @@ def quantize_weight(w: torch.Tensor, transposed: bool) -> Fp8:
     """w [R, C] in 128 x 128 blocks, as it is ([R, Cp]) or transposed ([C, Rp]), the reduction
     dimension padded with zeros to ``reduction_width`` (format.py)."""
     r, c = w.shape
+    w = tma_ready(w)
     rp, cp = (reduction_width(r), c) if transposed else (r, reduction_width(c))
     shape = (c, rp) if transposed else (r, cp)
     q = empty(shape, w, E4M3)
     s = empty((cdiv(shape[0], GROUP), shape[1] // GROUP), w, torch.float32)
     _launch_quantize_weight(
         (cdiv(rp, GROUP), cdiv(cp, GROUP)),
-        w,
-        _stored(q),
+        _tma(w, (GROUP, GROUP)),
+        _tma(q, (GROUP, GROUP)),
         s,
-        r,
-        c,
-        rp,
-        cp,
-        w.stride(0),
         TRANSPOSED=transposed,
         G=GROUP,
         SOFTWARE_=SOFTWARE,
-        num_warps=PASS_WARPS,
+        num_warps=FP8_PASS_WARPS,
     )
     return Fp8(q, s, blocks=True)
 
@@ -360,22 +348,21 @@ def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multipl
     inter = two_inter // 2
     width = reduction_width(inter)
     a = Fp8(empty((mp, width), h, E4M3), empty((width // GROUP, mp), h, torch.float32))
-    at = kept = None
+    at = kept = Fp8(None, None)
     if save:
         at = Fp8(empty((inter, mp), h, E4M3), empty((mp // GROUP, inter), h, torch.float32))
         kept = Fp8(empty((mp, two_inter), h, E4M3), empty((two_inter // GROUP, mp), h, torch.float32))
     _launch_glu_forward(
         (mp // GROUP, width // GROUP),
-        h,
-        _stored(a.data),
+        _tma(h, (GROUP, GROUP)),
+        _tma(a.data, (GROUP, GROUP)),
         a.scales,
-        _stored(at.data) if save else None,
-        at.scales if save else None,
-        _stored(kept.data) if save else None,
-        kept.scales if save else None,
+        _tma(at.data, (GROUP // 2, GROUP)),
+        at.scales,
+        _tma(kept.data, (GROUP, GROUP)),
+        kept.scales,
         mp,
         inter,
-        width,
         float(gate_multiplier),
         float(down_multiplier),
         SAVE=save,
@@ -383,9 +370,9 @@ def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multipl
         G=GROUP,
         CHUNK_=CHUNK,
         SOFTWARE_=SOFTWARE,
-        num_warps=PASS_WARPS,
+        num_warps=FP8_FORWARD_PASS_WARPS,
     )
-    return a, at, kept
+    return a, (at if save else None), (kept if save else None)
 
 
 def glu_backward(
@@ -402,23 +389,22 @@ def glu_backward(
     where asked."""
     mp, inter = da.shape
     width = reduction_width(2 * inter)
-    grad = grad_t = None
+    grad = grad_t = Fp8(None, None)
     if rows:
         grad = Fp8(empty((mp, width), da, E4M3), empty((width // GROUP, mp), da, torch.float32))
     if transposed:
         grad_t = Fp8(empty((2 * inter, mp), da, E4M3), empty((mp // GROUP, 2 * inter), da, torch.float32))
     _launch_glu_backward(
         (mp // GROUP, (width if rows else 2 * inter) // GROUP),
-        da,
-        _stored(kept.data),
+        _tma(tma_ready(da), (GROUP, GROUP // 2)),
+        _tma(kept.data, (GROUP, GROUP)),
         kept.scales,
-        _stored(grad.data) if rows else None,
-        grad.scales if rows else None,
-        _stored(grad_t.data) if transposed else None,
-        grad_t.scales if transposed else None,
+        _tma(grad.data, (GROUP, GROUP)),
+        grad.scales,
+        _tma(grad_t.data, (GROUP, GROUP)),
+        grad_t.scales,
         mp,
         inter,
-        width,
         float(gate_multiplier),
         float(down_multiplier),
         SAVE=save,
@@ -426,6 +412,6 @@ def glu_backward(
         G=GROUP,
         CHUNK_=CHUNK,
         SOFTWARE_=SOFTWARE,
-        num_warps=PASS_WARPS,
+        num_warps=FP8_PASS_WARPS,
     )
-    return grad, grad_t
+    return (grad if rows else None), (grad_t if transposed else None)

@@ -162,6 +162,13 @@ def routed_backward_is_warp_specialized(
     )
 
 
+#: Warps per program of the FP8 path's passes (fp8/kernels.py), [128, 128] tiles: at 4 they spill on
+#: sm_90; the SwiGLU forward pass, which holds half its tile while it makes the other half, spills
+#: at 8 in training (python -m fused_swiglu.bench.resources).
+FP8_PASS_WARPS = 8
+FP8_FORWARD_PASS_WARPS = 16
+
+
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
 # tiles, ragged edges and several persistent-loop iterations.
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
