@@ -51,9 +51,11 @@ def _grouped_mm(a, b, ends):
     if a.is_cuda and a.dtype == torch.bfloat16 and _grouped_gemm_hardware(a.device.index):
         return torch._grouped_mm(a, b, offs=ends)
     # New tensors, never written after (at version 0: what the backward may overwrite, ops.py).
-    groups = enumerate(itertools.pairwise([0, *ends.tolist()]))
+    bounds = [0, *ends.tolist()]
+    groups = enumerate(itertools.pairwise(bounds))
     if b.dim() == 3:
-        return torch.cat([torch.mm(a[lo:hi], b[e]) for e, (lo, hi) in groups])
+        past = a.new_zeros(a.shape[0] - bounds[-1], b.shape[2])  # rows past the groups (grouped.py)
+        return torch.cat([*(torch.mm(a[lo:hi], b[e]) for e, (lo, hi) in groups), past])
     return torch.stack([torch.mm(a[:, lo:hi], b[lo:hi]) for _, (lo, hi) in groups])
 
 
