@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from . import ops
+from .fp8.format import GROUP
 from .fp8.ops import SwiGLUMLPFp8Function
 from .fp8.ops import mlp_inference as fp8_mlp_inference
 from .kernels.configs import inference_uses_cublas
@@ -31,8 +32,6 @@ LINEAR_SAVE_MODES = ("factors", "recompute")
 DEFAULT_SAVE: SaveMode = "factors"
 #: The FP8 path keeps its factors or pre-activations in FP8 (fp8/ops.py); it has no recompute mode.
 FP8_SAVE_MODES = ("factors", "preact")
-#: The FP8 path's scale group: hidden and intermediate sizes must be multiples of it.
-FP8_GROUP = 128
 
 
 def check_save_mode(save: str, allowed: tuple[str, ...] = MLP_SAVE_MODES) -> str:
@@ -213,9 +212,9 @@ def check_fp8(fp8, hidden: int, intermediate: int) -> bool:
     """``fp8`` checked: a bool, and True only for sizes the FP8 path takes."""
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
-    if fp8 and (hidden % FP8_GROUP or intermediate % FP8_GROUP):
+    if fp8 and (hidden % GROUP or intermediate % GROUP):
         raise ValueError(
-            f"fp8=True needs hidden and intermediate sizes that are multiples of {FP8_GROUP} (the scale "
+            f"fp8=True needs hidden and intermediate sizes that are multiples of {GROUP} (the scale "
             f"group); got hidden {hidden} and intermediate {intermediate}"
         )
     return fp8

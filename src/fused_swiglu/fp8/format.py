@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.common import cdiv
+
 #: Elements per scale along a GEMM's reduction dimension (and the weight blocks' side).
 GROUP = 128
 E4M3 = torch.float8_e4m3fn
@@ -41,10 +43,6 @@ class Fp8(NamedTuple):
     data: torch.Tensor
     scales: torch.Tensor
     blocks: bool = False
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def reduction_width(k: int) -> int:

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.common import empty
 from ..kernels.plans import planned
 from ..library import define
-from ..ops import _on_tensor_device, _refuse_double_backward
+from ..ops import _empty_if_none, _on_tensor_device, _refuse_double_backward
 from . import kernels
 from .format import GROUP, Fp8, mm, padded_rows, reduction_width
 
@@ -37,8 +36,7 @@ KEPT = {"factors": 1, "preact": 2}
 
 
 def _none_to_empty(*tensors, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # Custom ops return tensors only: a piece not asked for is an empty tensor.
-    return tuple(empty((0,), like) if t is None else t for t in tensors)
+    return tuple(_empty_if_none(t, like) for t in tensors)
 
 
 @_on_tensor_device
