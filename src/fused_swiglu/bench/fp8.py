@@ -10,6 +10,7 @@ tensor with fast accumulation, the fastest FP8 GEMMs there are.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from ..fp8.format import quantize_blocks, quantize_rows, reduction_width
 from ..layout import unpack_gate_up
 from ..nn import SwiGLUMLP
 from .impls import EagerSwiGLUMLP, Impl, _module_impl, build_impl
-from .measure import measure_impls
+from .measure import interleaved_medians, measure_impls
 
 FP8_IMPLS = (
     "floor",
@@ -176,6 +177,68 @@ def measure_fp8_shape(
         if fp8_floor and "step_ms" in row:
             row["step_vs_fp8_floor"] = row["step_ms"] / fp8_floor["step_ms"]
     return rows
+
+
+def measure_fp8_passes(m: int, hidden: int, inter: int, *, reps: int) -> list[dict]:
+    """Each pass of the FP8 path alone (fp8/kernels.py) at one shape, bf16 inputs: ms, the bytes it
+    must move (each input read once, each output written once) and the rate that makes, beside a
+    device copy's (the memory-bound floor)."""
+    from ..fp8 import kernels
+    from ..fp8.format import padded_rows
+
+    rows = padded_rows(m)
+    new = functools.partial(torch.randn, device="cuda", dtype=torch.bfloat16)
+    x, w_gate_up, w_down, h, da = (
+        new(m, hidden),
+        new(2 * inter, hidden),
+        new(hidden, inter),
+        new(rows, 2 * inter),
+        new(rows, inter),
+    )
+    _, _, kept = kernels.glu_forward(h, 1, 1.0, 1.0)
+    width = reduction_width
+    passes = {
+        # name: (call, bytes read, bytes written)
+        "x: rows and transpose": (
+            lambda: kernels.quantize_activation(x, rows, True, width(hidden)),
+            2 * m * hidden,
+            2 * rows * hidden,
+        ),
+        "W_gate_up: blocks": (
+            lambda: kernels.quantize_weight(w_gate_up, False),
+            4 * inter * hidden,
+            2 * inter * hidden,
+        ),
+        "W_gate_up: blocks, transposed": (
+            lambda: kernels.quantize_weight(w_gate_up, True),
+            4 * inter * hidden,
+            2 * inter * hidden,
+        ),
+        "W_down: blocks": (
+            lambda: kernels.quantize_weight(w_down, False),
+            2 * inter * hidden,
+            inter * hidden,
+        ),
+        "SwiGLU, training": (lambda: kernels.glu_forward(h, 1, 1.0, 1.0), 4 * rows * inter, 4 * rows * inter),
+        "SwiGLU, inference": (lambda: kernels.glu_forward(h, 0, 1.0, 1.0), 4 * rows * inter, rows * inter),
+        "SwiGLU gradient": (
+            lambda: kernels.glu_backward(da, kept, 1, 1.0, 1.0, True, True),
+            4 * rows * inter,
+            4 * rows * inter,
+        ),
+    }
+    copy_source = new(rows, 2 * inter)
+    fns = {name: call for name, (call, _, _) in passes.items()} | {"copy": copy_source.clone}
+    times = interleaved_medians(fns, reps)
+    copy_rate = 2 * copy_source.numel() * 2 / (times["copy"] * 1e-3)
+    out = []
+    for name, (_, read, written) in passes.items():
+        rate = (read + written) / (times[name] * 1e-3)
+        out.append({"pass": name, "ms": times[name], "MB": (read + written) / 1e6, "GB/s": rate / 1e9,
+                    "of copy": rate / copy_rate})  # fmt: skip
+    out.append({"pass": "copy (clone of h)", "ms": times["copy"], "MB": 4 * copy_source.numel() / 1e6,
+                "GB/s": copy_rate / 1e9, "of copy": 1.0})  # fmt: skip
+    return out
 
 
 def _grads(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from ..functional import DEFAULT_SAVE
 from .coldstart import cold_start_seconds, experts_cold_start_seconds
 from .decode import DECODE_ROWS, decode_table, measure_decode
 from .experts import EXPERT_IMPLS, EXPERT_SHAPES, ROUTINGS, experts_table, measure_experts
-from .fp8 import FP8_IMPLS, OUTLIERS, fp8_accuracy, measure_fp8_shape
+from .fp8 import FP8_IMPLS, OUTLIERS, fp8_accuracy, measure_fp8_passes, measure_fp8_shape
 from .glu import GLU_IMPL_NAMES, measure_factor_gradient, measure_glu_shape
 from .host import HOST_PRECISIONS, measure_host_time
 from .impls import EXTRA_IMPL_NAMES, IMPL_NAMES
@@ -448,6 +448,13 @@ def _rows_table(rows: list[dict], columns: list[tuple[str, str]], markdown: bool
     return format_table([title for _, title in columns], body, markdown)
 
 
+def _passes_table(rows: list[dict], markdown: bool = False) -> str:
+    from ..tables import format_table
+
+    headers = ["pass", "ms", "MB", "GB/s", "of copy"]
+    return format_table(headers, [[r[h] for h in headers] for r in rows], markdown)
+
+
 def run_fp8(args: argparse.Namespace) -> int:
     """``bench --fp8``: the FP8 step at each shape (a table per shape), and at the first shape the
     accuracy of each implementation on Gaussian inputs and with outlier channels; JSON, Markdown and
@@ -465,6 +472,7 @@ def run_fp8(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     accuracy: dict[str, list[dict]] = {}
+    pass_times: dict[str, list[dict]] = {}
     lines = [
         "# FP8 training step of the MLP",
         "",
@@ -478,7 +486,9 @@ def run_fp8(args: argparse.Namespace) -> int:
 
     def save() -> None:
         (out / "results.json").write_text(
-            json.dumps({"meta": meta, "results": results, "accuracy": accuracy}, indent=1)
+            json.dumps(
+                {"meta": meta, "results": results, "passes": pass_times, "accuracy": accuracy}, indent=1
+            )
         )
         (out / "results.md").write_text("\n".join(lines) + "\n")
 
@@ -494,6 +504,10 @@ def run_fp8(args: argparse.Namespace) -> int:
             _rows_table(rows, FP8_COLUMNS, True),
             "",
         ]
+        passes = measure_fp8_passes(m, h, i, reps=args.reps)
+        pass_times[name] = passes
+        print(_passes_table(passes), flush=True)
+        lines += ["Each pass alone, against a device copy's rate:", "", _passes_table(passes, True), ""]
         save()
     name, (m, h, i) = next(iter(shapes.items()))
     lines += [
