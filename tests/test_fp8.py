@@ -160,16 +160,36 @@ def test_glu_passes_match_the_reference(device, precision, kept):
     if not kept:
         assert a_t is None and saved is None
         return
-    assert_same_fp8(a_t, want_a_t, exact)
     assert_same_fp8(saved, want_saved, exact)
+    preact = kept == 2  # a^T comes from the backward's pass
+    if preact:
+        assert a_t is None and want_a_t is None
+    else:
+        assert_same_fp8(a_t, want_a_t, exact)
     da = torch.randn(mp, inter, device=device).to(precision)
-    grad, grad_t = kernels.glu_backward(da, saved, kept, 0.7, 1.3, rows=True, transposed=True)
-    want_grad, want_grad_t = fp8_reference.glu_backward(da, saved, kept, 0.7, 1.3)
+    grad, grad_t, back_a_t = kernels.glu_backward(
+        da, saved, kept, 0.7, 1.3, rows=True, transposed=True, a_t=preact
+    )
+    want_grad, want_grad_t, want_back_a_t = fp8_reference.glu_backward(da, saved, kept, 0.7, 1.3)
     assert_same_fp8(grad, want_grad, exact)
     assert_same_fp8(grad_t, want_grad_t, exact)
+    if preact:
+        assert_same_fp8(back_a_t, want_back_a_t, exact)
+        # From the FP8 pre-activations: a^T within a step or two of e4m3 of the forward's own.
+        forward_a_t = fp8_reference.glu_forward(h, 1, 0.7, 1.3)[1]
+        assert relative_error(dequantize(back_a_t), dequantize(forward_a_t)) < 0.1
+    else:
+        assert back_a_t is None and want_back_a_t is None
     only_t = kernels.glu_backward(da, saved, kept, 0.7, 1.3, rows=False, transposed=True)
-    assert only_t[0] is None
+    assert only_t[0] is None and only_t[2] is None
     assert_same_fp8(only_t[1], grad_t)
+    if preact:  # a^T alone: neither gradient asked
+        only_a_t = kernels.glu_backward(da, saved, kept, 0.7, 1.3, rows=False, transposed=False, a_t=True)
+        assert only_a_t[:2] == (None, None)
+        assert_same_fp8(only_a_t[2], back_a_t)
+    else:
+        with pytest.raises(ValueError, match="pre-activations"):
+            kernels.glu_backward(da, saved, kept, 0.7, 1.3, rows=False, transposed=False, a_t=True)
 
 
 @pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "rows"])
@@ -260,6 +280,22 @@ def test_fp8_step_is_the_recipe(device, precision, save, size):
         if size[0] > 1:  # one token: too few numbers for a noise figure
             assert sqnr(got, exact) >= min(sqnr(want, exact) - 0.1, RECIPE_SQNR_DB), name
             assert sqnr(want, exact) >= RECIPE_SQNR_DB, name
+
+
+@pytest.mark.parametrize("save", ["factors", "preact"])
+@pytest.mark.parametrize("asked", [(2,), (0,), (1, 2)], ids=["down", "x", "gate_up-down"])
+def test_fp8_step_gives_each_gradient_alone(device, save, asked):
+    """Leaves that need no gradient are left out of the backward, and the gradients asked are the
+    full step's (dW_down alone from kept pre-activations still has a^T made by the backward's pass)."""
+    problem = _problem((200, 256, 384), torch.float32, device)
+    _, full = _fused_step(*problem, save=save)
+    leaves = [t.detach().clone().requires_grad_(i in asked) for i, t in enumerate(problem[:3])]
+    swiglu_mlp(*leaves, fp8=True, save=save).backward(problem[3])
+    for i, leaf in enumerate(leaves):
+        if i in asked:
+            assert torch.equal(leaf.grad, full[i]), i
+        else:
+            assert leaf.grad is None, i
 
 
 #: Outlier channels widen the packed gradient's range within a group (the saturated SiLU's zeros
@@ -353,10 +389,12 @@ def test_fp8_ops_pass_opcheck(device):
     torch.library.opcheck(ops.quantize, (x, 256, True), test_utils=checks)
     torch.library.opcheck(ops.quantize_weight, (x, True), test_utils=checks)
     h = torch.randn(256, 512, device=device, dtype=torch.bfloat16)
-    torch.library.opcheck(ops.glu_forward, (h, 1, 1.0, 1.0), test_utils=checks)
-    kept = ops.glu_forward(h, 1, 1.0, 1.0)[4:]
     da = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
-    torch.library.opcheck(ops.glu_backward, (da, *kept, 1, 1.0, 1.0, True, False), test_utils=checks)
+    for save, a_t in ((1, False), (2, True)):  # factors; pre-activations, a^T from the backward
+        torch.library.opcheck(ops.glu_forward, (h, save, 1.0, 1.0), test_utils=checks)
+        kept = ops.glu_forward(h, save, 1.0, 1.0)[4:]
+        args = (da, *kept, save, 1.0, 1.0, True, False, a_t)
+        torch.library.opcheck(ops.glu_backward, args, test_utils=checks)
 
 
 # The module, the swap, bad input ---------------------------------------------------------------------------

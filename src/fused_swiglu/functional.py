@@ -154,9 +154,10 @@ def swiglu_mlp(
             the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
         fp8: run the six GEMMs in FP8 on Hopper (e4m3 with power-of-two scales: 1 x 128 groups for
             activations and gradients, 128 x 128 blocks for weights, as DeepSeek-V3 trains;
-            fused_swiglu.fp8). ``save`` ``"factors"`` or ``"preact"`` then keeps them in FP8 (with ``a``
-            and x transposed: 3I + H bytes per token); hidden and intermediate sizes must be
-            multiples of 128. Inference at decode sizes (24 rows or fewer) stays in 16 bits.
+            fused_swiglu.fp8). ``save`` ``"factors"`` or ``"preact"`` then keeps them in FP8 with x
+            transposed (and, for the factors, ``a`` transposed): 3I + H or 2I + H bytes per token.
+            Hidden and intermediate sizes must be multiples of 128. Inference at decode sizes (24
+            rows or fewer) stays in 16 bits.
 
     Returns:
         ``[..., hidden]``, the dtype of ``x``.

@@ -32,6 +32,7 @@ FP8_IMPLS = (
     "fused",
     "fused-fp8",
     "fused-fp8-compiled",
+    "fused-fp8-preact",
     "torchao-tensorwise",
     "torchao-rowwise",
     "torchao-rowwise-gw-hp",
@@ -138,7 +139,8 @@ def fp8_module(name: str, reference: EagerSwiGLUMLP, compiled: bool = True) -> n
     """The named implementation's module (not a floor), with ``reference``'s weights (compiled where
     its name or torchao's recipes say), or why it is missing."""
     if name.startswith("fused"):
-        fused = SwiGLUMLP.from_mlp(reference, fp8=name.startswith("fused-fp8"))
+        save = "preact" if "preact" in name else "factors"
+        fused = SwiGLUMLP.from_mlp(reference, fp8=name.startswith("fused-fp8"), save=save)
         return torch.compile(fused, dynamic=False) if compiled and name.endswith("compiled") else fused
     return torchao_module(name, reference, compiled)
 
@@ -196,6 +198,7 @@ def measure_fp8_passes(m: int, hidden: int, inter: int, *, reps: int) -> list[di
         new(rows, inter),
     )
     _, _, kept = kernels.glu_forward(h, 1, 1.0, 1.0)
+    _, _, kept_preact = kernels.glu_forward(h, 2, 1.0, 1.0)
     width = reduction_width
     passes = {
         # name: (call, bytes read, bytes written)
@@ -220,11 +223,21 @@ def measure_fp8_passes(m: int, hidden: int, inter: int, *, reps: int) -> list[di
             inter * hidden,
         ),
         "SwiGLU, training": (lambda: kernels.glu_forward(h, 1, 1.0, 1.0), 4 * rows * inter, 4 * rows * inter),
+        "SwiGLU, training, preact": (
+            lambda: kernels.glu_forward(h, 2, 1.0, 1.0),
+            4 * rows * inter,
+            3 * rows * inter,
+        ),
         "SwiGLU, inference": (lambda: kernels.glu_forward(h, 0, 1.0, 1.0), 4 * rows * inter, rows * inter),
         "SwiGLU gradient": (
             lambda: kernels.glu_backward(da, kept, 1, 1.0, 1.0, True, True),
             4 * rows * inter,
             4 * rows * inter,
+        ),
+        "SwiGLU gradient, preact": (
+            lambda: kernels.glu_backward(da, kept_preact, 2, 1.0, 1.0, True, True, a_t=True),
+            4 * rows * inter,
+            5 * rows * inter,
         ),
     }
     copy_source = new(rows, 2 * inter)

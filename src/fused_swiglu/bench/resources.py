@@ -313,10 +313,15 @@ def fp8_kernels(target: GPUTarget = SM90):
         }
         constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
         if save:
-            descriptors |= {"at_desc": e4m3.format(g // 2, g), "k_desc": e4m3.format(g, g)}
-            scalars |= {"ats_ptr": "*fp32", "ks_ptr": "*fp32"}
+            descriptors["k_desc"], scalars["ks_ptr"] = e4m3.format(g, g), "*fp32"
         else:
-            constants |= dict.fromkeys(("at_desc", "ats_ptr", "k_desc", "ks_ptr"))
+            constants |= dict.fromkeys(("k_desc", "ks_ptr"))
+        a_t = {"at_desc": e4m3.format(g // 2, g)}, {"ats_ptr": "*fp32"}  # a^T: from the pass that sees a
+        if save == 1:
+            descriptors |= a_t[0]
+            scalars |= a_t[1]
+        else:
+            constants |= dict.fromkeys(("at_desc", "ats_ptr"))
         kernel = compile_(fp8._glu_forward_kernel, descriptors, scalars, constants, FP8_FORWARD_PASS_WARPS)
         yield f"bfloat16 fp8 SwiGLU pass {Saved(save).name}", f"{g}x{g}", kernel
         if save:
@@ -328,6 +333,11 @@ def fp8_kernels(target: GPUTarget = SM90):
             scalars = {"ks_ptr": "*fp32", "gs_ptr": "*fp32", "gts_ptr": "*fp32", "Mp": "i32", "N": "i32"}
             scalars |= {"gate_multiplier": "fp32", "down_multiplier": "fp32"}
             constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
+            if save == 2:
+                descriptors |= a_t[0]
+                scalars |= a_t[1]
+            else:
+                constants |= dict.fromkeys(("at_desc", "ats_ptr"))
             kernel = compile_(fp8._glu_backward_kernel, descriptors, scalars, constants)
             yield f"bfloat16 fp8 SwiGLU gradient pass {Saved(save).name}", f"{g}x{g}", kernel
 

@@ -4,11 +4,12 @@ defines what they write; it is their reference):
 * ``quantize_activation``: x or dY [M, F] -> rows [Mp, F] for the GEMM that reduces over F and,
   from the same tile, rows of the transpose [F, Mp] for the weight gradient that reduces over tokens;
 * ``quantize_weight``: a weight [R, C] -> 128 x 128 blocks, as it is or transposed;
-* ``glu_forward``: the gate/up GEMM's output [Mp, 2I] (packed) -> ``a`` as rows for the down GEMM,
-  ``a``'s transpose as rows for dW_down, and what training keeps (factors or pre-activations,
-  packed, as rows), all in FP8;
+* ``glu_forward``: the gate/up GEMM's output [Mp, 2I] (packed) -> ``a`` as rows for the down GEMM
+  and what training keeps (factors or pre-activations, packed, as rows), with the factors also
+  ``a``'s transpose as rows for dW_down, all in FP8;
 * ``glu_backward``: dA [Mp, I] and the kept tensor -> the packed gradient [dU | dG] as rows for dX
-  and its transpose as rows for dW_gate_up.
+  and its transpose as rows for dW_gate_up, and from kept pre-activations ``a``'s transpose (the
+  forward did not keep it: I bytes a token less, for a pass that reads the same bytes).
 
 A tile is 128 rows (one group of tokens) by one group of columns, so each tile finds its own
 scales. Tiles move through TMA descriptors: no pointer per element in registers (a [128, 128] tile
@@ -187,11 +188,18 @@ def _glu_half(
             q, scale = _quantized_rows(b_kept, SOFTWARE_)
             k_desc.store([o_m, i_p * G], q)
             tl.store(ks_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
-            q_t, scale_t = _quantized_columns(b_a, SOFTWARE_)
-            at_desc.store([i_p * (G // 2), o_m], q_t)
-            o_n = i_p * (G // 2) + tl.arange(0, G // 2)
-            tl.store(ats_ptr + i_m.to(tl.int64) * N + o_n, scale_t, mask=o_n < N)
+            if at_desc is not None:
+                _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, i_p, N, G, SOFTWARE_)
     return b_a
+
+
+@triton.jit
+def _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, i_p, N, G: tl.constexpr, SOFTWARE_: tl.constexpr):
+    """``a`` [BM, G / 2] (packed group ``i_p``'s intermediate columns) stored transposed, as rows."""
+    q_t, scale_t = _quantized_columns(b_a, SOFTWARE_)
+    at_desc.store([i_p * (G // 2), o_m], q_t)
+    o_n = i_p * (G // 2) + tl.arange(0, G // 2)
+    tl.store(ats_ptr + i_m.to(tl.int64) * N + o_n, scale_t, mask=o_n < N)
 
 
 @triton.jit
@@ -199,7 +207,7 @@ def _glu_forward_kernel(  # N: the intermediate size
     h_desc,  # [Mp, 2N] packed [u | g] chunks, the gate/up GEMM's output; tiles [BM, G]
     a_desc,  # [Mp, Np] e4m3: N padded with zeros to the down GEMM's reduction width; tiles [BM, G]
     as_ptr,  # [Np / G, Mp]
-    at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]; or None (inference)
+    at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]; or None (inference, pre-activations kept)
     ats_ptr,  # [Mp / G, N]
     k_desc,  # [Mp, 2N] e4m3 packed: factors or pre-activations, tiles [BM, G]; or None
     ks_ptr,  # [2N / G, Mp]
@@ -240,6 +248,8 @@ def _glu_backward_kernel(  # N: the intermediate size
     gs_ptr,  # [2Np / G, Mp]
     gt_desc,  # [2N, Mp] e4m3, tiles [G, BM]; or None
     gts_ptr,  # [Mp / G, 2N]
+    at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]: a's transpose from the kept pre-activations; or None
+    ats_ptr,  # [Mp / G, N]
     Mp,
     N,
     gate_multiplier,
@@ -265,6 +275,11 @@ def _glu_backward_kernel(  # N: the intermediate size
     else:
         b_silu, b_slope = silu_and_slope(b_second * gate_multiplier)
         b_du, b_dg = b_da * b_silu, b_da * b_first * b_slope * gate_multiplier
+        if at_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+            if inside:
+                _store_a_t(
+                    b_silu * b_first * down_multiplier, at_desc, ats_ptr, o_m, i_m, i_p, N, G, SOFTWARE_
+                )
     b_grad = pack_columns(b_du, b_dg, BM, G, CHUNK_)
     if g_desc is not None:
         q, scale = _quantized_rows(b_grad, SOFTWARE_)
@@ -342,15 +357,16 @@ def quantize_weight(w: torch.Tensor, transposed: bool) -> Fp8:
 
 def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multiplier: float):
     """From the packed pre-activation h [Mp, 2I]: ``a`` as rows [Mp, reduction_width(I)], and for
-    training (``save`` 1: factors, 2: pre-activations) ``a``'s transpose (rows) and the kept tensor
-    (rows, packed); ``save`` 0 (inference): ``a`` only."""
+    training the kept tensor (rows, packed; ``save`` 1: factors, 2: pre-activations) and with the
+    factors ``a``'s transpose (rows); ``save`` 0 (inference): ``a`` only."""
     mp, two_inter = h.shape
     inter = two_inter // 2
     width = reduction_width(inter)
     a = Fp8(empty((mp, width), h, E4M3), empty((width // GROUP, mp), h, torch.float32))
     at = kept = Fp8(None, None)
+    if save == 1:
+        at = _a_t(inter, mp, h)
     if save:
-        at = Fp8(empty((inter, mp), h, E4M3), empty((mp // GROUP, inter), h, torch.float32))
         kept = Fp8(empty((mp, two_inter), h, E4M3), empty((two_inter // GROUP, mp), h, torch.float32))
     _launch_glu_forward(
         (mp // GROUP, width // GROUP),
@@ -372,7 +388,11 @@ def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multipl
         SOFTWARE_=SOFTWARE,
         num_warps=FP8_FORWARD_PASS_WARPS,
     )
-    return a, (at if save else None), (kept if save else None)
+    return a, (at if save == 1 else None), (kept if save else None)
+
+
+def _a_t(inter: int, mp: int, like: torch.Tensor) -> Fp8:
+    return Fp8(empty((inter, mp), like, E4M3), empty((mp // GROUP, inter), like, torch.float32))
 
 
 def glu_backward(
@@ -383,13 +403,18 @@ def glu_backward(
     down_multiplier: float,
     rows: bool,
     transposed: bool,
-) -> tuple[Fp8 | None, Fp8 | None]:
+    a_t: bool = False,
+) -> tuple[Fp8 | None, Fp8 | None, Fp8 | None]:
     """The packed gradient [dU | dG] from dA [Mp, I] and the forward's kept tensor: as rows
-    [Mp, reduction_width(2I)] (for dX) and its transpose as rows [2I, Mp] (for dW_gate_up), each
-    where asked."""
+    [Mp, reduction_width(2I)] (for dX) and its transpose as rows [2I, Mp] (for dW_gate_up), and
+    ``a``'s transpose as rows [I, Mp] (for dW_down) from kept pre-activations, each where asked."""
+    if a_t and save != 2:
+        raise ValueError("a's transpose comes from the backward only where the pre-activations were kept")
     mp, inter = da.shape
     width = reduction_width(2 * inter)
-    grad = grad_t = Fp8(None, None)
+    grad = grad_t = at = Fp8(None, None)
+    if a_t:
+        at = _a_t(inter, mp, da)
     if rows:
         grad = Fp8(empty((mp, width), da, E4M3), empty((width // GROUP, mp), da, torch.float32))
     if transposed:
@@ -403,6 +428,8 @@ def glu_backward(
         grad.scales,
         _tma(grad_t.data, (GROUP, GROUP)),
         grad_t.scales,
+        _tma(at.data, (GROUP // 2, GROUP)),
+        at.scales,
         mp,
         inter,
         float(gate_multiplier),
@@ -414,4 +441,4 @@ def glu_backward(
         SOFTWARE_=SOFTWARE,
         num_warps=FP8_PASS_WARPS,
     )
-    return (grad if rows else None), (grad_t if transposed else None)
+    return (grad if rows else None), (grad_t if transposed else None), (at if a_t else None)

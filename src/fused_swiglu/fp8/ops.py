@@ -6,13 +6,14 @@ The recipe (DeepSeek-V3's): activations and gradients in 1 x 128 groups along ea
 reduction dimension, weights in 128 x 128 blocks, fp32 accumulation promoted group by group.
 
 * forward: x -> rows and rows of x^T (one pass); h = x W_gate_up^T; one pass turns h into ``a``
-  (rows), ``a^T`` (rows) and what training keeps; y = a W_down^T;
-* backward: dY -> rows and rows of dY^T (one pass); dA = dY W_down; dW_down = dY^T a; one pass
-  turns dA and the kept tensor into the packed gradient (rows) and its transpose (rows);
+  (rows) and what training keeps; y = a W_down^T;
+* backward: dY -> rows and rows of dY^T (one pass); dA = dY W_down; one pass turns dA and the kept
+  tensor into the packed gradient (rows) and its transpose (rows); dW_down = dY^T a;
   dX = grad W_gate_up; dW_gate_up = grad^T x.
 
-Kept between forward and backward, per token: the FP8 factors or pre-activations (2I bytes),
-``a^T`` (I bytes) and ``x^T`` (H bytes, in place of x), with their scales. The weights are
+Kept between forward and backward, per token, with their scales: ``x^T`` (H bytes, in place of x)
+and either the FP8 factors (2I bytes) and ``a^T`` (I bytes, from the forward's pass), or the FP8
+pre-activations (2I bytes), from which the backward's pass also writes ``a^T``. The weights are
 quantized in each forward (as they are) and each backward (transposed) from the parameters
 themselves: nothing is cached across calls, so an FP8 weight is never older than its parameter,
 whoever updates it (an optimizer, FSDP's all-gather into a reused buffer, a load).
@@ -92,7 +93,8 @@ quantize_weight = define(
 @planned
 def _glu_forward(h, kept, gate_multiplier, down_multiplier):
     a, a_t, saved = kernels.glu_forward(h, kept, gate_multiplier, down_multiplier)
-    rest = (None,) * 4 if not kept else (a_t.data, a_t.scales, saved.data, saved.scales)
+    rest = (None, None) if a_t is None else (a_t.data, a_t.scales)
+    rest += (None, None) if saved is None else (saved.data, saved.scales)
     return _none_to_empty(a.data, a.scales, *rest, like=h)
 
 
@@ -104,9 +106,15 @@ def _glu_forward_fake(h, kept, gate_multiplier, down_multiplier):
     a = (h.new_empty(mp, width, dtype=e4m3), h.new_empty(width // GROUP, mp, dtype=f32))
     if not kept:
         return _none_to_empty(*a, None, None, None, None, like=h)
-    a_t = (h.new_empty(inter, mp, dtype=e4m3), h.new_empty(mp // GROUP, inter, dtype=f32))
+    a_t = _a_t_fake(inter, mp, h) if kept == 1 else (None, None)
     saved = (h.new_empty(mp, two_inter, dtype=e4m3), h.new_empty(two_inter // GROUP, mp, dtype=f32))
-    return (*a, *a_t, *saved)
+    return _none_to_empty(*a, *a_t, *saved, like=h)
+
+
+def _a_t_fake(inter, mp, like):
+    return like.new_empty(inter, mp, dtype=torch.float8_e4m3fn), like.new_empty(
+        mp // GROUP, inter, dtype=torch.float32
+    )
 
 
 glu_forward = define(
@@ -119,15 +127,20 @@ glu_forward = define(
 
 @_on_tensor_device
 @planned
-def _glu_backward(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed):
+def _glu_backward(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed, a_t):
     multipliers = (gate_multiplier, down_multiplier)
-    grad, grad_t = kernels.glu_backward(da, Fp8(kept_data, kept_scales), kept, *multipliers, rows, transposed)
+    grad, grad_t, at = kernels.glu_backward(
+        da, Fp8(kept_data, kept_scales), kept, *multipliers, rows, transposed, a_t
+    )
     pieces = (grad.data, grad.scales) if rows else (None, None)
     pieces += (grad_t.data, grad_t.scales) if transposed else (None, None)
+    pieces += (at.data, at.scales) if a_t else (None, None)
     return _none_to_empty(*pieces, like=da)
 
 
-def _glu_backward_fake(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed):
+def _glu_backward_fake(
+    da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed, a_t
+):
     mp, inter = da.shape
     width = reduction_width(2 * inter)
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
@@ -141,12 +154,14 @@ def _glu_backward_fake(da, kept_data, kept_scales, kept, gate_multiplier, down_m
         if transposed
         else (None, None)
     )
+    pieces += _a_t_fake(inter, mp, da) if a_t else (None, None)
     return _none_to_empty(*pieces, like=da)
 
 
 glu_backward = define(
     "fp8_glu_backward(Tensor da, Tensor kept_data, Tensor kept_scales, int kept, float gate_multiplier, "
-    "float down_multiplier, bool rows, bool transposed) -> (Tensor, Tensor, Tensor, Tensor)",
+    "float down_multiplier, bool rows, bool transposed, bool a_t) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _glu_backward,
     _glu_backward_fake,
 )
@@ -208,17 +223,20 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dy_data, dy_scales, dyt_data, dyt_scales = quantize(dy, rows, need_dw_down)
         dx = dw_gate_up = dw_down = None
-        if need_dw_down:
-            dw_down = mm(Fp8(dyt_data, dyt_scales), Fp8(at_data, at_scales), down_dtype)
-        if need_dx or need_dw_gate_up:
+        a_t_from_backward = need_dw_down and kept == KEPT["preact"]  # the forward did not keep a^T
+        if need_dx or need_dw_gate_up or a_t_from_backward:
             da = mm(Fp8(dy_data, dy_scales), _weight(down_weight, True), out_dtype)
             multipliers = (gate_multiplier, down_multiplier)
-            g_data, g_scales, gt_data, gt_scales = glu_backward(
-                da, kept_data, kept_scales, kept, *multipliers, need_dx, need_dw_gate_up
+            g_data, g_scales, gt_data, gt_scales, bt_data, bt_scales = glu_backward(
+                da, kept_data, kept_scales, kept, *multipliers, need_dx, need_dw_gate_up, a_t_from_backward
             )
             del da
-            if need_dx:
-                dx = _unpadded(mm(Fp8(g_data, g_scales), _weight(gate_up_weight, True), x_dtype), m)
-            if need_dw_gate_up:
-                dw_gate_up = mm(Fp8(gt_data, gt_scales), Fp8(xt_data, xt_scales), gate_up_dtype)
+            if a_t_from_backward:
+                at_data, at_scales = bt_data, bt_scales
+        if need_dw_down:
+            dw_down = mm(Fp8(dyt_data, dyt_scales), Fp8(at_data, at_scales), down_dtype)
+        if need_dx:
+            dx = _unpadded(mm(Fp8(g_data, g_scales), _weight(gate_up_weight, True), x_dtype), m)
+        if need_dw_gate_up:
+            dw_gate_up = mm(Fp8(gt_data, gt_scales), Fp8(xt_data, xt_scales), gate_up_dtype)
         return dx, dw_gate_up, dw_down, None, None, None, None

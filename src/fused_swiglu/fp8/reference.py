@@ -22,29 +22,33 @@ def _packed(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 
 def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multiplier: float):
-    """kernels.glu_forward: h [Mp, 2I] packed -> (a, a^T, kept) as rows (the last two None for
-    ``save`` 0)."""
+    """kernels.glu_forward: h [Mp, 2I] packed -> (a, a^T, kept) as rows (a^T None unless the
+    factors are kept, kept None for ``save`` 0)."""
     up, gate = (t.float() for t in split_packed_columns(h))
     silu, slope = _silu_and_slope(gate * gate_multiplier)
     a = silu * up * down_multiplier
     a_rows = quantize_rows(a, width=reduction_width(a.shape[1]))
     if not save:
         return a_rows, None, None
-    first, second = (silu, up * slope * gate_multiplier) if save == 1 else (up, gate)
-    return a_rows, quantize_rows(a.t()), quantize_rows(_packed(first, second))
+    if save == 1:
+        return a_rows, quantize_rows(a.t()), quantize_rows(_packed(silu, up * slope * gate_multiplier))
+    return a_rows, None, quantize_rows(_packed(up, gate))
 
 
 def glu_backward(da: torch.Tensor, kept: Fp8, save: int, gate_multiplier: float, down_multiplier: float):
-    """kernels.glu_backward: (grad, grad^T) as rows, grad = [dU | dG] packed."""
+    """kernels.glu_backward: (grad, grad^T, a^T) as rows, grad = [dU | dG] packed, a^T (recomputed
+    from kept pre-activations) None for kept factors."""
     first, second = split_packed_columns(dequantize(kept))
     da = da.float() * down_multiplier
+    a_t = None
     if save == 1:
         du, dg = da * first, da * second
     else:
         silu, slope = _silu_and_slope(second * gate_multiplier)
         du, dg = da * silu, da * first * slope * gate_multiplier
+        a_t = quantize_rows((silu * first * down_multiplier).t())
     grad = _packed(du, dg)
-    return quantize_rows(grad, width=reduction_width(grad.shape[1])), quantize_rows(grad.t())
+    return quantize_rows(grad, width=reduction_width(grad.shape[1])), quantize_rows(grad.t()), a_t
 
 
 def _mm(a: Fp8, b: Fp8) -> torch.Tensor:
@@ -64,8 +68,8 @@ def swiglu_mlp_fp8(x, gate_up_weight, down_weight, dy, *, gate_multiplier=1.0, d
     y = _mm(a, quantize_blocks(down_weight, inter_width))[:m]
     dy_pad = F.pad(dy.float(), (0, 0, 0, rows - m))
     da = _mm(quantize_rows(dy_pad, width=hidden_width), quantize_blocks(down_weight.t(), hidden_width))
-    dw_down = _mm(quantize_rows(dy_pad.t()), a_t)
-    grad, grad_t = glu_backward(da.to(x.dtype), kept, save, gate_multiplier, down_multiplier)
+    grad, grad_t, recomputed_a_t = glu_backward(da.to(x.dtype), kept, save, gate_multiplier, down_multiplier)
+    dw_down = _mm(quantize_rows(dy_pad.t()), a_t if save == 1 else recomputed_a_t)
     dx = _mm(grad, quantize_blocks(gate_up_weight.t(), reduction_width(2 * inter)))[:m]
     dw_gate_up = _mm(grad_t, quantize_rows(x_pad.t()))
     return y, (dx, dw_gate_up, dw_down)
