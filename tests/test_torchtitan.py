@@ -205,6 +205,62 @@ def test_activation_checkpointing_recomputes_the_fused_call(save):
         assert torch.equal(got, expected)
 
 
+def _glu_forward_calls(model, grads_of) -> tuple[int, list[torch.Tensor]]:
+    """How often the fused forward op runs in a training step of ``model``, and the gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func is torch.ops.fused_swiglu.glu_forward.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        loss_of(model(tokens())).backward()
+    return Count.calls, [p.grad for p in grads_of(model)]
+
+
+def test_selective_checkpointing_saves_the_fused_forward_with_its_override():
+    """torchtitan's selective checkpointing recomputes the fused forward op (its GEMM too) in the
+    backward; with ``fused_selective_ac`` it saves its outputs as it saves a matmul's. The gradients
+    are the unchecked model's either way."""
+    from dataclasses import dataclass
+
+    from torchtitan.config import Configurable
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    @dataclass(kw_only=True, slots=True)
+    class Trainer(Configurable.Config):  # the node of a trainer config that the override replaces
+        activation_checkpoint: SelectiveAC.Config
+
+    def two_layers(policy: SelectiveAC.Config | None):
+        config = model_config("llama3")
+        config.layers = config.layers[:2]
+        titan.apply_fused(config)
+        torch.manual_seed(0)
+        model = config.build()
+        model.init_states()
+        if policy is not None:
+            policy.build(dump_folder="").apply(model)
+        return model
+
+    def ffn_params(model):
+        return [p for block in model.layers.values() for p in block.feed_forward.parameters()]
+
+    trainer = Trainer(activation_checkpoint=SelectiveAC.Config())
+    stock_policy = trainer.activation_checkpoint
+    assert len(titan.apply_fused(trainer, selective_ac=True)) == 1
+    assert type(trainer.activation_checkpoint) is titan.FusedSelectiveAC.Config
+    want_calls, want = _glu_forward_calls(two_layers(None), ffn_params)
+    assert want_calls == 2
+    for policy, calls in ((stock_policy, 4), (trainer.activation_checkpoint, 2)):
+        got_calls, got = _glu_forward_calls(two_layers(policy), ffn_params)
+        assert got_calls == calls, type(policy).__qualname__
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+
+
 # Tensor and expert parallelism over gloo ------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torchtitan.config import derive, override
 from torchtitan.config.override import OverrideConfig, apply_overrides
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.decoder_sharding import dense_activation_placement, dense_param_placement
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.linear import Linear
@@ -53,9 +54,11 @@ from .layout import CHUNK
 __all__ = [
     "FusedFeedForward",
     "FusedGroupedExperts",
+    "FusedSelectiveAC",
     "apply_fused",
     "fused_feed_forward",
     "fused_grouped_experts",
+    "fused_selective_ac",
 ]
 
 _LOG = logging.getLogger("fused_swiglu")
@@ -243,12 +246,44 @@ def fused_grouped_experts(cfg: GroupedExperts.Config, save: str = "factors") -> 
     return fused
 
 
+class FusedSelectiveAC(SelectiveAC):
+    """torchtitan's selective activation checkpointing with the fused forward ops among the ops whose
+    outputs it saves, as it saves matmuls' and attention's: its policy recomputes every other op in
+    the backward, a fused forward's GEMMs included."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        ops = torch.ops.fused_swiglu
+        return super().get_save_ops() | {ops.glu_forward.default, ops.experts_forward.default}
+
+
+@override(
+    target=SelectiveAC.Config,
+    exact=True,
+    description="fused-swiglu: selective activation checkpointing that saves the fused forwards' outputs.",
+)
+def fused_selective_ac(cfg: SelectiveAC.Config) -> SelectiveAC.Config:
+    return derive(cfg, FusedSelectiveAC.Config)
+
+
 def apply_fused(
-    model_config, *, save: str = DEFAULT_SAVE, fp8: bool = False, experts: bool = True
+    config,
+    *,
+    save: str = DEFAULT_SAVE,
+    fp8: bool = False,
+    experts: bool = True,
+    selective_ac: bool = False,
 ) -> list[str]:
-    """Both overrides on ``model_config`` (a torchtitan model or trainer config, its sharding already
-    set), as ``--override.imports`` applies them; returns torchtitan's lines of what was replaced."""
+    """The overrides on ``config`` (a torchtitan model or trainer config, its sharding already set),
+    as ``--override.imports`` applies them: the MLPs, the experts unless ``experts`` is false, and
+    with ``selective_ac`` (a trainer config) the checkpointing that saves the fused forwards' outputs.
+    Returns torchtitan's lines of what was replaced."""
     imports = [(f"{__name__}.fused_feed_forward", {"save": save, "fp8": fp8})]
     if experts:
         imports.append((f"{__name__}.fused_grouped_experts", {"save": save}))
-    return apply_overrides(OverrideConfig(imports=imports), model_config)
+    if selective_ac:
+        imports.append((f"{__name__}.fused_selective_ac", {}))
+    return apply_overrides(OverrideConfig(imports=imports), config)
