@@ -363,6 +363,42 @@ def test_parallel_fused_experts_equal_parallel_stock(tp, ep):
                 assert relative_error(grad, s["grads"][name]) <= BF16_BOUND, name
 
 
+def _fsdp_worker(rank, port, folder):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = build("llama3", True)
+        for block in model.layers.values():  # as torchtitan shards: each block, then the rest
+            fully_shard(block)
+        fully_shard(model)
+        y = model(tokens())
+        loss_of(y).backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        torch.save({"y": y.detach(), "grads": grads}, os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_fused_llama_equals_one_process():
+    """FSDP2 (``fully_shard`` on each block and the model) shards the packed gate_up by rows: the
+    logits and every gradient (averaged over two ranks of the same batch) are one process's."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_fsdp_worker, args=(_free_port(), folder), nprocs=2)
+        ranks = [torch.load(os.path.join(folder, f"{rank}.pt")) for rank in range(2)]
+    one = build("llama3", True)
+    y = one(tokens())
+    loss_of(y).backward()
+    for r in ranks:
+        assert relative_error(r["y"], y) <= 1e-5
+        for name, p in one.named_parameters():
+            assert relative_error(r["grads"][name], p.grad) <= 1e-5, name
+
+
 def test_fused_config_keeps_the_stock_fields():
     config = model_config("llama3").layers[0].feed_forward
     fused = titan.fused_feed_forward(replace(config), save="preact")
