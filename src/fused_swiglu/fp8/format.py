@@ -1,5 +1,5 @@
-"""The FP8 format of the library's FP8 path, in one place: e4m3 values with fp32 scales that are
-powers of two, in groups local to a 128-wide tile, and the scaled GEMM that reads them.
+"""The FP8 format of the library's FP8 path, in one place: e4m3 values with fp32 scales, in groups
+local to a 128-wide tile, and the scaled GEMM that reads them.
 
 * **Rows** (activations and gradients, the GEMM's A operand and the weight-gradient GEMMs' B):
   ``data`` [R, C] e4m3, one scale per row and group of ``GROUP`` columns, the reduction dimension
@@ -14,9 +14,12 @@ and torch 2.11 takes them only unpadded, so at other widths its blockwise GEMM r
 without an error (CUDA 13.0, H100: hidden 896, intermediate 4864 or 11008). Zero columns add
 nothing to the products.
 
-A group's scale is the smallest power of two ``s`` with ``amax / s <= 448`` (e4m3's largest
-finite value), 1 for an all-zero group: scaling and unscaling are exact, and only the cast to e4m3
-rounds (to nearest even). NaN does not enter the amax and stays NaN; an infinity makes its group's
+A group's scale is ``amax / 448`` (e4m3's largest finite value), 1 for an all-zero group: the
+group's largest magnitude becomes 448 with no rounding, which is what a group holding an outlier
+channel needs (power-of-two scales rounded the outlier itself and lost 1 to 2.6 dB SQNR with x100
+and x1000 outlier channels; docs/design/fp8.md). A group is scaled by multiplying by
+``448 / amax``; the scale and its inverse are each rounded once, to nearest, and the cast to e4m3
+rounds to nearest even. NaN does not enter the amax and stays NaN; an infinity makes its group's
 scale infinite, so the GEMMs that read the group return NaN where it contributes. The functions
 here are the PyTorch reference of the kernels (kernels.py), the tests' oracle, and the GEMM.
 """
@@ -33,8 +36,9 @@ from ..kernels.common import cdiv
 GROUP = 128
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-#: The smallest scale: a group whose amax is below 448 x 2^-126 is scaled by 2^-126.
-MIN_SCALE = 2.0**-126
+#: The smallest amax a scale is made from (scale 2^-126, fp32's smallest normal): below it, 448 / amax
+#: would overflow.
+MIN_AMAX = E4M3_MAX * 2.0**-126
 
 
 class Fp8(NamedTuple):
@@ -56,16 +60,15 @@ def padded_rows(m: int) -> int:
     return cdiv(m, GROUP) * GROUP
 
 
-def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two ``s`` with ``amax / s <= 448`` (at least ``MIN_SCALE``), 1 where
-    ``amax`` is 0, inf where it is inf."""
+def group_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inverse): ``amax / 448`` and ``448 / amax`` in fp32 (amax at least ``MIN_AMAX``),
+    each rounded to nearest; 1 and 1 where ``amax`` is 0, inf and 0 where it is inf."""
     amax = amax.float()
-    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
-    # 448 = 0.875 * 2^9: amax / 2^(exponent - 9) <= 448 while the mantissa is at most 0.875.
-    power = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
-    scale = torch.ldexp(torch.ones_like(amax), power).clamp_min(MIN_SCALE)
-    scale = torch.where(torch.isinf(amax), amax, scale)
-    return torch.where(amax == 0, torch.ones_like(amax), scale)
+    clamped = amax.clamp_min(MIN_AMAX)
+    # A tensor over a tensor: a Python number over a tensor is a reciprocal and a product, two roundings.
+    scale, inverse = clamped / E4M3_MAX, torch.full_like(clamped, E4M3_MAX) / clamped
+    zero = amax == 0
+    return torch.where(zero, 1.0, scale), torch.where(zero, 1.0, inverse)
 
 
 def _group_amax(t: torch.Tensor, dims) -> torch.Tensor:
@@ -83,8 +86,8 @@ def quantize_rows(t: torch.Tensor, rows: int | None = None, width: int | None = 
     groups = cdiv(width, GROUP)
     padded = torch.nn.functional.pad(t.float(), (0, groups * GROUP - c, 0, rows - r))
     grouped = padded.view(rows, groups, GROUP)
-    scales = pow2_scale(_group_amax(grouped, -1))  # [rows, groups]
-    data = _to_e4m3(grouped / scales[..., None]).view(rows, groups * GROUP)[:, :width]
+    scales, inverse = group_scale(_group_amax(grouped, -1))  # [rows, groups]
+    data = _to_e4m3(grouped * inverse[..., None]).view(rows, groups * GROUP)[:, :width]
     return Fp8(data.contiguous(), scales.t().contiguous())
 
 
@@ -95,8 +98,8 @@ def quantize_blocks(w: torch.Tensor, width: int | None = None) -> Fp8:
     rb, cb = cdiv(r, GROUP), cdiv(width, GROUP)
     padded = torch.nn.functional.pad(w.float(), (0, cb * GROUP - c, 0, rb * GROUP - r))
     grouped = padded.view(rb, GROUP, cb, GROUP)
-    scales = pow2_scale(_group_amax(grouped, (1, 3)))  # [rb, cb]
-    data = _to_e4m3(grouped / scales[:, None, :, None]).view(rb * GROUP, cb * GROUP)[:r, :width]
+    scales, inverse = group_scale(_group_amax(grouped, (1, 3)))  # [rb, cb]
+    data = _to_e4m3(grouped * inverse[:, None, :, None]).view(rb * GROUP, cb * GROUP)[:r, :width]
     return Fp8(data.contiguous(), scales, blocks=True)
 
 

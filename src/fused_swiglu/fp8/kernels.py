@@ -39,25 +39,22 @@ from ..kernels.common import (
 )
 from ..kernels.configs import FP8_FORWARD_PASS_WARPS, FP8_PASS_WARPS
 from ..kernels.launch import KernelLauncher, Tma
-from .format import E4M3, GROUP, Fp8, reduction_width
+from .format import E4M3, GROUP, MIN_AMAX, Fp8, reduction_width
 
 #: Interpreter: encode and decode e4m3 in integer arithmetic (see the module docstring).
 SOFTWARE = interpreting()
+MIN_AMAX_ = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
-def _pow2_scale(amax):
-    """(scale, 1 / scale): the smallest power of two with amax / scale <= 448, from amax's bits
-    (448 = 1.75 x 2^8: the exponent less 8, plus one where the mantissa passes 1.75); at least
-    2^-126, 1 for a group of zeros, inf for inf. Exact: no division."""
-    bits = amax.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    exponent = tl.where(exponent < 1, 1, exponent)
-    scale = (exponent << 23).to(tl.float32, bitcast=True)
-    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(amax == 0.0, 1.0, tl.where(amax == float("inf"), float("inf"), scale))
-    inverse = tl.where(amax == 0.0, 1.0, tl.where(amax == float("inf"), 0.0, inverse))
-    return scale, inverse
+def _group_scale(amax):
+    """(scale, 1 / scale) of a group, as format.group_scale makes them: amax / 448 and 448 / amax,
+    each rounded to nearest (``div_rn``, not the GPU's approximate division), amax at least
+    ``MIN_AMAX``; 1 and 1 for a group of zeros, inf and 0 for inf."""
+    clamped = tl.maximum(amax, MIN_AMAX_)
+    scale = tl.div_rn(clamped, 448.0)
+    inverse = tl.div_rn(tl.full(clamped.shape, 448.0, tl.float32), clamped)
+    return tl.where(amax == 0.0, 1.0, scale), tl.where(amax == 0.0, 1.0, inverse)
 
 
 @triton.jit
@@ -109,14 +106,14 @@ def _from_e4m3(b, SOFTWARE_: tl.constexpr):
 @triton.jit
 def _quantized_rows(b, SOFTWARE_: tl.constexpr):
     """``b`` [R, G] in e4m3 (codes under the interpreter), one scale per row."""
-    scale, inverse = _pow2_scale(_amax(b, 1))
+    scale, inverse = _group_scale(_amax(b, 1))
     return _e4m3(b * inverse[:, None], SOFTWARE_), scale
 
 
 @triton.jit
 def _quantized_columns(b, SOFTWARE_: tl.constexpr):
     """``b`` [BM, W] quantized down its columns, transposed: [W, BM] e4m3, one scale per column."""
-    scale, inverse = _pow2_scale(_amax(b, 0))
+    scale, inverse = _group_scale(_amax(b, 0))
     return tl.trans(_e4m3(b * inverse[None, :], SOFTWARE_)), scale
 
 
@@ -158,7 +155,7 @@ def _quantize_weight_kernel(
 ):
     i_r, i_c = tl.program_id(0), tl.program_id(1)
     b_w = w_desc.load([i_r * G, i_c * G]).to(tl.float32)
-    scale, inverse = _pow2_scale(tl.max(_amax(b_w, 1), 0))
+    scale, inverse = _group_scale(tl.max(_amax(b_w, 1), 0))
     q = _e4m3(b_w * inverse, SOFTWARE_)
     if TRANSPOSED:
         q_desc.store([i_c * G, i_r * G], tl.trans(q))
@@ -176,21 +173,29 @@ def _glu_half(
     """One group of G packed columns (``i_p``: G / 2 intermediate columns) of the forward pass: the
     kept tensor's group and ``a``'s transposed columns stored; ``down_multiplier * a`` [BM, G / 2]
     returned for ``a``'s rows."""
-    b_up, b_gate = unpack_columns(h_desc.load([o_m, i_p * G]).to(tl.float32), BM, G, CHUNK_)
+    b_h = h_desc.load([o_m, i_p * G]).to(tl.float32)
+    if k_desc is not None and SAVE == 2:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if i_p * G < 2 * N:  # the pre-activations as packed, before the SwiGLU takes registers
+            _store_rows(b_h, k_desc, ks_ptr, o_m, i_p, Mp, G, SOFTWARE_)
+    b_up, b_gate = unpack_columns(b_h, BM, G, CHUNK_)
     b_silu, b_slope = silu_and_slope(b_gate * gate_multiplier)
     b_a = b_silu * b_up * down_multiplier
-    if k_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
+    if k_desc is not None:  # noqa: SIM102
         if i_p * G < 2 * N:  # not a padding group
             if SAVE == 1:
                 b_kept = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, G, CHUNK_)
-            else:
-                b_kept = pack_columns(b_up, b_gate, BM, G, CHUNK_)
-            q, scale = _quantized_rows(b_kept, SOFTWARE_)
-            k_desc.store([o_m, i_p * G], q)
-            tl.store(ks_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
+                _store_rows(b_kept, k_desc, ks_ptr, o_m, i_p, Mp, G, SOFTWARE_)
             if at_desc is not None:
                 _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, i_p, N, G, SOFTWARE_)
     return b_a
+
+
+@triton.jit
+def _store_rows(b, desc, s_ptr, o_m, i_c, Mp, G: tl.constexpr, SOFTWARE_: tl.constexpr):
+    """``b`` [BM, G] (column group ``i_c``) stored as rows: e4m3 and one scale per row."""
+    q, scale = _quantized_rows(b, SOFTWARE_)
+    desc.store([o_m, i_c * G], q)
+    tl.store(s_ptr + i_c.to(tl.int64) * Mp + o_m + tl.arange(0, b.shape[0]), scale)
 
 
 @triton.jit
@@ -234,9 +239,7 @@ def _glu_forward_kernel(  # N: the intermediate size
         down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_,
     )  # fmt: skip
     b_a = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BM, G))  # [lo | hi]
-    q, scale = _quantized_rows(b_a, SOFTWARE_)
-    a_desc.store([o_m, i_n * G], q)
-    tl.store(as_ptr + i_n.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
+    _store_rows(b_a, a_desc, as_ptr, o_m, i_n, Mp, G, SOFTWARE_)
 
 
 @triton.jit
@@ -282,9 +285,7 @@ def _glu_backward_kernel(  # N: the intermediate size
                 )
     b_grad = pack_columns(b_du, b_dg, BM, G, CHUNK_)
     if g_desc is not None:
-        q, scale = _quantized_rows(b_grad, SOFTWARE_)
-        g_desc.store([o_m, o_p], q)
-        tl.store(gs_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), scale)
+        _store_rows(b_grad, g_desc, gs_ptr, o_m, i_p, Mp, G, SOFTWARE_)
     if gt_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
         if inside:
             q_t, scale_t = _quantized_columns(b_grad, SOFTWARE_)
