@@ -22,9 +22,12 @@ def _modules(kind: str, save: str, device, rank: int):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(37, 40, generator=g).to(device)
-    if kind == "mlp":
-        reference = SwiGLUMLP(40, 72, save=save, device=device)
-        model = SwiGLUMLP(40, 72, save=save, device=device)
+    if kind in ("mlp", "mlp-fp8"):
+        fp8 = kind == "mlp-fp8"  # the FP8 path's sizes are whole groups of 128
+        hidden, inter = (128, 256) if fp8 else (40, 72)
+        x = torch.randn(37, hidden, generator=g).to(device)
+        reference = SwiGLUMLP(hidden, inter, save=save, fp8=fp8, device=device)
+        model = SwiGLUMLP(hidden, inter, save=save, fp8=fp8, device=device)
         model.load_state_dict(reference.state_dict())
         return reference, model, lambda m: m(x)
     reference = SwiGLUExperts(4, 40, 24, save=save, device=device)
@@ -95,13 +98,27 @@ def test_two_cpu_ranks(device, wrapper, save, kind, tmp_path):
     )
 
 
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_fp8_mlp_on_two_cpu_ranks(device, wrapper, tmp_path):
+    """The FP8 path quantizes the weights FSDP2 gathers, in every call: the same output and gradients."""
+    if device.type != "cpu":
+        pytest.skip("CPU processes over gloo; multi-GPU runs are not part of this suite")
+    mp.spawn(
+        _worker,
+        args=(str(tmp_path / "store"), wrapper, "factors", "gloo", CPU_WORLD, "mlp-fp8"),
+        nprocs=CPU_WORLD,
+    )
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["mlp", "experts"])
+@pytest.mark.parametrize("kind", ["mlp", "mlp-fp8", "experts"])
 @pytest.mark.parametrize("save", ["factors", "recompute"])
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
 def test_gpu_ranks_over_nccl(wrapper, save, kind, tmp_path):
     """One process per GPU, up to two: on a single GPU this still runs the wrappers' CUDA paths
     (FSDP2's unsharded parameters, DDP's bucketed all-reduce) around the fused kernels."""
+    if kind == "mlp-fp8" and save == "recompute":
+        pytest.skip("the FP8 path keeps factors or pre-activations")
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("NCCL is not available")
     world = min(2, torch.cuda.device_count())

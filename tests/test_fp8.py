@@ -448,6 +448,42 @@ def test_swap_with_fp8_trains_a_llama(device):
     assert set(fused.state_dict()) == set(stock.state_dict())
 
 
+def test_fp8_mlps_beside_torchaos_float8_linears(device, caplog):
+    """Swapped with fp8=True, then torchao's float8 on the other Linears (``torchao_filter`` leaves
+    each fused MLP's down projection to it): attention in torchao's Float8Linear, the MLPs fused in
+    FP8, a loss as FP8-close to stock's as the fused MLPs alone give; converted first, the MLPs are
+    left as they are, with the reason logged, not fused over their Float8Linears."""
+    transformers = pytest.importorskip("transformers")
+    float8 = pytest.importorskip("torchao.float8")
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    float8_config = float8.Float8LinearConfig(emulate=device.type != "cuda")  # CPU: torchao's emulation
+    torch.manual_seed(0)
+    stock = transformers.LlamaForCausalLM(config).to(device)
+    both = transformers.LlamaForCausalLM(config).to(device)
+    both.load_state_dict(stock.state_dict())
+    assert len(swap_swiglu_mlps(both, fp8=True)) == 2
+    float8.convert_to_float8_training(both, config=float8_config, module_filter_fn=torchao_filter)
+    for layer in both.model.layers:
+        assert type(layer.self_attn.q_proj).__name__ == "Float8Linear" and layer.mlp.fp8
+        assert type(layer.mlp.down_proj) is torch.nn.Linear
+    ids = torch.randint(0, 64, (2, 64), device=device)
+    losses = [model(input_ids=ids, labels=ids).loss for model in (stock, both)]
+    assert abs(losses[0].item() - losses[1].item()) <= 0.01 * losses[0].item()
+    losses[1].backward()
+    assert all(torch.isfinite(p.grad).all() for p in both.parameters())
+    converted_first = transformers.LlamaForCausalLM(config).to(device)
+    float8.convert_to_float8_training(converted_first, config=float8_config)
+    assert swap_swiglu_mlps(converted_first, fp8=True) == []
+    assert "Float8Linear, not a plain nn.Linear" in caplog.text
+
+
 def test_fp8_refuses_what_it_cannot_take(device):
     x, w_gate_up, w_down, _ = _problem((8, 128, 128), torch.bfloat16, device)
     with pytest.raises(ValueError, match="save must be one of"):

@@ -152,7 +152,7 @@ def swiglu_mlp(
         save: what training keeps for the backward, per token: ``"factors"`` (default; 3 * intermediate
             elements, the fastest backward), ``"preact"`` (2 * intermediate; the backward recomputes
             the sigmoid and ``a``) or ``"recompute"`` (nothing; the backward re-runs the gate/up GEMM).
-        fp8: run the six GEMMs in FP8 on Hopper (e4m3 with power-of-two scales: 1 x 128 groups for
+        fp8: run the six GEMMs in FP8 on Hopper (e4m3 with fp32 amax / 448 scales: 1 x 128 groups for
             activations and gradients, 128 x 128 blocks for weights, as DeepSeek-V3 trains;
             fused_swiglu.fp8). ``save`` ``"factors"`` or ``"preact"`` then keeps them in FP8 with x
             transposed (and, for the factors, ``a`` transposed): 3I + H or 2I + H bytes per token.
