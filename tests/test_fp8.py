@@ -26,6 +26,7 @@ from fused_swiglu.fp8.format import (
     quantize_blocks,
     quantize_rows,
     reduction_width,
+    uses_cublas,
 )
 from fused_swiglu.testing import relative_error, unit_roundoff
 
@@ -205,10 +206,13 @@ def test_scaled_gemm_is_the_product_of_its_dequantized_operands(device, blocks, 
     w = torch.randn(384, k, device=device)
     b = quantize_blocks(w, width) if blocks else quantize_rows(w, width=width)
     want = dequantize(a).double() @ dequantize(b).double().t()
+    # Hopper's FP8 tensor cores sum a group's products in about 14 bits before cuBLAS promotes them to
+    # fp32 (measured 1.3e-4 relative on an H100 with either kind of scale); the emulation sums in fp32.
+    accumulation = 2.0**-12 if uses_cublas(a.data.device) else 1e-6
     for out_dtype in (torch.float32, torch.bfloat16):
         got = mm(a, b, out_dtype)
         assert got.dtype == out_dtype
-        assert relative_error(got, want) <= 2 * unit_roundoff(out_dtype) + 1e-6
+        assert relative_error(got, want) <= 2 * unit_roundoff(out_dtype) + accumulation
 
 
 # The MLP ----------------------------------------------------------------------------------------------------

@@ -65,8 +65,10 @@ def group_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each rounded to nearest; 1 and 1 where ``amax`` is 0, inf and 0 where it is inf."""
     amax = amax.float()
     clamped = amax.clamp_min(MIN_AMAX)
-    # A tensor over a tensor: a Python number over a tensor is a reciprocal and a product, two roundings.
-    scale, inverse = clamped / E4M3_MAX, torch.full_like(clamped, E4M3_MAX) / clamped
+    # Tensors on both sides: with a Python number on either side PyTorch takes a reciprocal and a
+    # product (two roundings) on some devices, where the kernels divide once.
+    fmax = torch.full_like(clamped, E4M3_MAX)
+    scale, inverse = clamped / fmax, fmax / clamped
     zero = amax == 0
     return torch.where(zero, 1.0, scale), torch.where(zero, 1.0, inverse)
 
