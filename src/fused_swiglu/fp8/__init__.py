@@ -1,5 +1,5 @@
 """The FP8 training path of the dense MLP (``fp8=True``): e4m3 operands for the step's six GEMMs with
-power-of-two fp32 scales local to a 128-wide group (format.py), the passes between the GEMMs that
+amax / 448 fp32 scales local to a 128-wide group (format.py), the passes between the GEMMs that
 make them (kernels.py), the custom ops and autograd Function (ops.py), and the same in plain
 PyTorch (reference.py)."""
 
