@@ -426,9 +426,9 @@ def test_module_in_fp8_keeps_its_checkpoint(device):
     assert not torchao_filter(fp8.down_proj, "down_proj") and torchao_filter(torch.nn.Linear(2, 2), "x")
 
 
-def test_swap_with_fp8_trains_a_llama(device):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+def _small_llama_config(transformers):
+    """Two layers whose MLPs the FP8 path takes (sizes in whole groups of 128)."""
+    return transformers.LlamaConfig(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -436,6 +436,11 @@ def test_swap_with_fp8_trains_a_llama(device):
         num_key_value_heads=1,
         vocab_size=64,
     )
+
+
+def test_swap_with_fp8_trains_a_llama(device):
+    transformers = pytest.importorskip("transformers")
+    config = _small_llama_config(transformers)
     torch.manual_seed(0)
     stock = transformers.LlamaForCausalLM(config).to(device)
     fused = transformers.LlamaForCausalLM(config).to(device)
@@ -459,14 +464,7 @@ def test_fp8_mlps_beside_torchaos_float8_linears(device, caplog):
     left as they are, with the reason logged, not fused over their Float8Linears."""
     transformers = pytest.importorskip("transformers")
     float8 = pytest.importorskip("torchao.float8")
-    config = transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-    )
+    config = _small_llama_config(transformers)
     float8_config = float8.Float8LinearConfig(emulate=device.type != "cuda")  # CPU: torchao's emulation
     torch.manual_seed(0)
     stock = transformers.LlamaForCausalLM(config).to(device)
