@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import fused_swiglu
 from fused_swiglu import SwiGLUMLP, swap_swiglu_mlps, swiglu_mlp
 from fused_swiglu.fp8 import kernels, torchao_filter
 from fused_swiglu.fp8 import reference as fp8_reference
@@ -21,11 +22,14 @@ from fused_swiglu.fp8.format import (
     Fp8,
     dequantize,
     group_scale,
+    halves_width,
     mm,
+    pack_halves,
     padded_rows,
     quantize_blocks,
     quantize_rows,
     reduction_width,
+    unpack_halves,
     uses_cublas,
 )
 from fused_swiglu.testing import relative_error, unit_roundoff
@@ -127,17 +131,33 @@ def test_activation_quantizer_matches_the_reference(device, precision, m):
 
 @pytest.mark.parametrize("precision", DTYPES, ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["as-is", "transposed"])
-def test_weight_quantizer_matches_the_reference(device, precision, transposed):
-    w = (torch.randn(384, 256) * 0.02).to(device=device, dtype=precision)
-    w[:128, :128] = 0  # a block of zeros
+@pytest.mark.parametrize("halves", [False, True], ids=["plain", "gate-up-in-halves"])
+def test_weight_quantizer_matches_the_reference(device, precision, transposed, halves):
+    w = (torch.randn(400, 256) * 0.02).to(device=device, dtype=precision)  # I = 200: a group half past I
+    w[:128, :128] = 0  # a block of zeros (in halves too: rows 0-127 are intermediate columns 0-63)
     w[200, 17] = 1e4  # one block scaled for its outlier
-    got = kernels.quantize_weight(w, transposed)
-    oriented = w.t() if transposed else w
+    got = kernels.quantize_weight(w, transposed, halves)
+    ordered = fp8_reference.gate_up_in_halves(w) if halves else w
+    assert ordered.shape[0] == (512 if halves else 400)
+    oriented = ordered.t() if transposed else ordered
     width = reduction_width(oriented.shape[1])  # zero columns up to 4 groups (format.py)
     assert_same_fp8(got, quantize_blocks(oriented, width))
     assert got.data.shape[1] == width == 512 and (_codes(got.data[:, oriented.shape[1] :]) == 0).all()
     if not transposed:
         assert got.scales[0, 0] == 1 and (_codes(got.data[:128, :128]) == 0).all()
+
+
+def test_halves_are_the_packing_regrouped():
+    gate, up = torch.randn(200, 3), torch.randn(200, 3)
+    w = fused_swiglu.pack_gate_up(gate, up)
+    halves = fp8_reference.gate_up_in_halves(w)
+    assert halves.shape == (halves_width(200), 3) == (512, 3)
+    assert torch.equal(halves[:64], up[:64]) and torch.equal(halves[64:128], gate[:64])
+    assert torch.equal(halves[384:392], up[192:]) and torch.equal(halves[448:456], gate[192:])
+    assert (halves[392:448] == 0).all() and (halves[456:] == 0).all()
+    assert all(
+        torch.equal(a, b) for a, b in zip(unpack_halves(halves.t(), 200), (up.t(), gate.t()), strict=True)
+    )
 
 
 def test_nan_and_inf_reach_every_output_they_touch(device):
@@ -157,11 +177,13 @@ def test_nan_and_inf_reach_every_output_they_touch(device):
 
 @pytest.mark.parametrize("precision", DTYPES, ids=str)
 @pytest.mark.parametrize("kept", [0, 1, 2], ids=["inference", "factors", "preact"])
-def test_glu_passes_match_the_reference(device, precision, kept):
-    mp, inter = 256, 384
-    h = (torch.randn(mp, 2 * inter) * 2).to(device=device, dtype=precision)
-    a, a_t, saved = kernels.glu_forward(h, kept, 0.7, 1.3)
-    want_a, want_a_t, want_saved = fp8_reference.glu_forward(h, kept, 0.7, 1.3)
+@pytest.mark.parametrize("inter", [384, 200], ids=["I384", "I200"])  # 200: the last group part padding
+def test_glu_passes_match_the_reference(device, precision, kept, inter):
+    mp = 256
+    up, gate = torch.randn(mp, inter) * 2, torch.randn(mp, inter) * 2
+    h = pack_halves(up, gate).to(device=device, dtype=precision)  # zeros past I, as the GEMM makes them
+    a, a_t, saved = kernels.glu_forward(h, inter, kept, 0.7, 1.3)
+    want_a, want_a_t, want_saved = fp8_reference.glu_forward(h, inter, kept, 0.7, 1.3)
     assert_same_fp8(a, want_a, exact=False)
     if not kept:
         assert a_t is None and saved is None
@@ -182,7 +204,7 @@ def test_glu_passes_match_the_reference(device, precision, kept):
     if preact:
         assert_same_fp8(back_a_t, want_back_a_t, exact=False)
         # From the FP8 pre-activations: a^T within a step or two of e4m3 of the forward's own.
-        forward_a_t = fp8_reference.glu_forward(h, 1, 0.7, 1.3)[1]
+        forward_a_t = fp8_reference.glu_forward(h, inter, 1, 0.7, 1.3)[1]
         assert relative_error(dequantize(back_a_t), dequantize(forward_a_t)) < 0.1
     else:
         assert back_a_t is None and want_back_a_t is None
@@ -401,12 +423,14 @@ def test_fp8_ops_pass_opcheck(device):
 
     x = torch.randn(200, 256, device=device, dtype=torch.bfloat16)
     torch.library.opcheck(ops.quantize, (x, 256, True), test_utils=checks)
-    torch.library.opcheck(ops.quantize_weight, (x, True), test_utils=checks)
+    w_gate_up = torch.randn(400, 256, device=device, dtype=torch.bfloat16)  # I = 200
+    for halves in (False, True):
+        torch.library.opcheck(ops.quantize_weight, (w_gate_up, True, halves), test_utils=checks)
     h = torch.randn(256, 512, device=device, dtype=torch.bfloat16)
-    da = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    da = torch.randn(256, 200, device=device, dtype=torch.bfloat16)
     for save, a_t in ((1, False), (2, True)):  # factors; pre-activations, a^T from the backward
-        torch.library.opcheck(ops.glu_forward, (h, save, 1.0, 1.0), test_utils=checks)
-        kept = ops.glu_forward(h, save, 1.0, 1.0)[4:]
+        torch.library.opcheck(ops.glu_forward, (h, 200, save, 1.0, 1.0), test_utils=checks)
+        kept = ops.glu_forward(h, 200, save, 1.0, 1.0)[4:]
         args = (da, *kept, save, 1.0, 1.0, True, False, a_t)
         torch.library.opcheck(ops.glu_backward, args, test_utils=checks)
 

@@ -181,12 +181,13 @@ def measure_fp8_shape(
     return rows
 
 
-def measure_fp8_passes(m: int, hidden: int, inter: int, *, reps: int) -> list[dict]:
+def measure_fp8_passes(m: int, hidden: int, inter: int, *, reps: int, warps: int | None = None) -> list[dict]:
     """Each pass of the FP8 path alone (fp8/kernels.py) at one shape, bf16 inputs: ms, the bytes it
     must move (each input read once, each output written once) and the rate that makes, beside a
-    device copy's (the memory-bound floor)."""
+    device copy's (the memory-bound floor); ``warps``: every pass with that many warps a program
+    (default: the library's choice, kernels/configs.py)."""
     from ..fp8 import kernels
-    from ..fp8.format import padded_rows
+    from ..fp8.format import halves_width, padded_rows
 
     rows = padded_rows(m)
     new = functools.partial(torch.randn, device="cuda", dtype=torch.bfloat16)
@@ -194,48 +195,56 @@ def measure_fp8_passes(m: int, hidden: int, inter: int, *, reps: int) -> list[di
         new(m, hidden),
         new(2 * inter, hidden),
         new(hidden, inter),
-        new(rows, 2 * inter),
+        new(rows, halves_width(inter)),
         new(rows, inter),
     )
-    _, _, kept = kernels.glu_forward(h, 1, 1.0, 1.0)
-    _, _, kept_preact = kernels.glu_forward(h, 2, 1.0, 1.0)
+    _, _, kept = kernels.glu_forward(h, inter, 1, 1.0, 1.0)
+    _, _, kept_preact = kernels.glu_forward(h, inter, 2, 1.0, 1.0)
     width = reduction_width
     passes = {
         # name: (call, bytes read, bytes written)
         "x: rows and transpose": (
-            lambda: kernels.quantize_activation(x, rows, True, width(hidden)),
+            lambda: kernels.quantize_activation(x, rows, True, width(hidden), warps),
             2 * m * hidden,
             2 * rows * hidden,
         ),
         "W_gate_up: blocks": (
-            lambda: kernels.quantize_weight(w_gate_up, False),
+            lambda: kernels.quantize_weight(w_gate_up, False, halves=True, warps=warps),
             4 * inter * hidden,
             2 * inter * hidden,
         ),
         "W_gate_up: blocks, transposed": (
-            lambda: kernels.quantize_weight(w_gate_up, True),
+            lambda: kernels.quantize_weight(w_gate_up, True, halves=True, warps=warps),
             4 * inter * hidden,
             2 * inter * hidden,
         ),
         "W_down: blocks": (
-            lambda: kernels.quantize_weight(w_down, False),
+            lambda: kernels.quantize_weight(w_down, False, warps=warps),
             2 * inter * hidden,
             inter * hidden,
         ),
-        "SwiGLU, training": (lambda: kernels.glu_forward(h, 1, 1.0, 1.0), 4 * rows * inter, 4 * rows * inter),
+        "SwiGLU, training": (
+            lambda: kernels.glu_forward(h, inter, 1, 1.0, 1.0, warps),
+            4 * rows * inter,
+            4 * rows * inter,
+        ),
         "SwiGLU, training, preact": (
-            lambda: kernels.glu_forward(h, 2, 1.0, 1.0),
+            lambda: kernels.glu_forward(h, inter, 2, 1.0, 1.0, warps),
             4 * rows * inter,
             3 * rows * inter,
         ),
-        "SwiGLU, inference": (lambda: kernels.glu_forward(h, 0, 1.0, 1.0), 4 * rows * inter, rows * inter),
+        "SwiGLU, inference": (
+            lambda: kernels.glu_forward(h, inter, 0, 1.0, 1.0, warps),
+            4 * rows * inter,
+            rows * inter,
+        ),
         "SwiGLU gradient": (
-            lambda: kernels.glu_backward(da, kept, 1, 1.0, 1.0, True, True),
+            lambda: kernels.glu_backward(da, kept, 1, 1.0, 1.0, True, True, warps=warps),
             4 * rows * inter,
             4 * rows * inter,
         ),
         "SwiGLU gradient, preact": (
-            lambda: kernels.glu_backward(da, kept_preact, 2, 1.0, 1.0, True, True, a_t=True),
+            lambda: kernels.glu_backward(da, kept_preact, 2, 1.0, 1.0, True, True, a_t=True, warps=warps),
             4 * rows * inter,
             5 * rows * inter,
         ),

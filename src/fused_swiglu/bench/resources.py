@@ -65,9 +65,10 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 def _descriptor_type(block: list[int], dtype: torch.dtype) -> str:
     """Triton's signature string of a host descriptor, taken from Triton itself."""
-    t = torch.empty(256, 512, dtype=dtype)  # any tensor: only dtype and block enter the type
+    shape = [256] * (len(block) - 1) + [512]  # any tensor of the block's rank: only dtype and block enter
+    t = torch.empty(shape, dtype=dtype)
     return native_specialize_impl(
-        BaseBackend, TensorDescriptor(t, [256, 512], [512, 1], block), False, True, True
+        BaseBackend, TensorDescriptor(t, shape, list(t.stride()), block), False, True, True
     )[0]
 
 
@@ -297,13 +298,21 @@ def fp8_kernels(target: GPUTarget = SM90):
         kernel = compile_(fp8._quantize_activation_kernel, descriptors, scalars, constants)
         name = str(dtype).removeprefix("torch.")
         yield f"{name} fp8 quantize activation{' and transpose' if transposed else ''}", f"{g}x{g}", kernel
-        descriptors = {"w_desc": _descriptor_type([g, g], dtype), "q_desc": e4m3.format(g, g)}
-        kernel = compile_(
-            fp8._quantize_weight_kernel, descriptors, {"s_ptr": "*fp32"}, {"TRANSPOSED": transposed, **shared}
-        )
-        yield f"{name} fp8 quantize weight{' transposed' if transposed else ''}", f"{g}x{g}", kernel
+        for halves in (False, True):
+            w_block = [8, 8, g] if halves else [g // 2, g]
+            descriptors = {
+                "w_desc": _descriptor_type(w_block, dtype),
+                "q_desc": e4m3.format(*((g, g // 2) if transposed else (g // 2, g))),
+            }
+            constants = {"TRANSPOSED": transposed, "HALVES": halves, **shared}
+            kernel = compile_(fp8._quantize_weight_kernel, descriptors, {"s_ptr": "*fp32"}, constants)
+            what = f"{' transposed' if transposed else ''}{' in halves' if halves else ''}"
+            yield f"{name} fp8 quantize weight{what}", f"{g}x{g}", kernel
     for save in (0, 1, 2):
-        descriptors = {"h_desc": _descriptor_type([g, g], torch.bfloat16), "a_desc": e4m3.format(g, g)}
+        descriptors = {
+            "h_desc": _descriptor_type([g, g // 2], torch.bfloat16),
+            "a_desc": e4m3.format(g, g // 2),
+        }
         scalars = {
             "as_ptr": "*fp32",
             "Mp": "i32",
@@ -311,9 +320,9 @@ def fp8_kernels(target: GPUTarget = SM90):
             "gate_multiplier": "fp32",
             "down_multiplier": "fp32",
         }
-        constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
+        constants = {"SAVE": save, "BM": g, **shared}
         if save:
-            descriptors["k_desc"], scalars["ks_ptr"] = e4m3.format(g, g), "*fp32"
+            descriptors["k_desc"], scalars["ks_ptr"] = e4m3.format(g, g // 2), "*fp32"
         else:
             constants |= dict.fromkeys(("k_desc", "ks_ptr"))
         a_t = {"at_desc": e4m3.format(g // 2, g)}, {"ats_ptr": "*fp32"}  # a^T: from the pass that sees a
@@ -327,12 +336,15 @@ def fp8_kernels(target: GPUTarget = SM90):
         if save:
             descriptors = {
                 "da_desc": _descriptor_type([g, g // 2], torch.bfloat16),
-                "k_desc": e4m3.format(g, g),
+                "k_desc": e4m3.format(g, g // 2),
             }
-            descriptors |= {"g_desc": e4m3.format(g, g), "gt_desc": e4m3.format(g, g)}
+            descriptors |= {
+                "g_desc": e4m3.format(g, g // 2),
+                "gt_desc": _descriptor_type([8, 8, g], torch.float8_e4m3fn),
+            }
             scalars = {"ks_ptr": "*fp32", "gs_ptr": "*fp32", "gts_ptr": "*fp32", "Mp": "i32", "N": "i32"}
             scalars |= {"gate_multiplier": "fp32", "down_multiplier": "fp32"}
-            constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
+            constants = {"SAVE": save, "BM": g, **shared}
             if save == 2:
                 descriptors |= a_t[0]
                 scalars |= a_t[1]

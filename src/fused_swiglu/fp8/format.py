@@ -8,6 +8,14 @@ local to a 128-wide tile, and the scaled GEMM that reads them.
 * **Blocks** (weights): ``data`` [R, C] e4m3, one scale per ``GROUP`` x ``GROUP`` block; ``scales``
   [ceil(R / GROUP), ceil(C / GROUP)]. A block scale serves the weight and its transpose alike.
 
+**Halves** (the packed [up | gate] tensors of width 2I: the gate/up GEMM's output h, what training
+keeps, the packed gradient): a group of ``GROUP`` packed columns holds ``HALF`` intermediate columns,
+their up values then their gate values (``pack_halves``), so a pass reads up and gate as two tiles
+and writes them back as two; the intermediate size is padded with zeros to whole groups
+(``halves_width``). The weights' own packing (layout.py) is this order's source and destination:
+the gate/up weight's blocks are read in halves, and the gate/up weight gradient's operand is
+written in the weight's order.
+
 The operands of a GEMM whose B is in blocks are zero-padded along the reduction dimension to
 ``reduction_width(K)``, a multiple of 4 groups: cuBLAS reads block scales at 16-byte row strides,
 and torch 2.11 takes them only unpadded, so at other widths its blockwise GEMM returns wrong products
@@ -34,6 +42,8 @@ from ..kernels.common import cdiv
 
 #: Elements per scale along a GEMM's reduction dimension (and the weight blocks' side).
 GROUP = 128
+#: Intermediate columns per group of a packed tensor in halves: up's and gate's share of a group.
+HALF = GROUP // 2
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 #: The smallest amax a scale is made from (scale 2^-126, fp32's smallest normal): below it, 448 / amax
@@ -58,6 +68,26 @@ def padded_rows(m: int) -> int:
     """Rows of the FP8 path's activations: tokens rounded up to a whole group, so that the weight
     gradients' reduction over tokens runs over whole groups (the padding rows are zeros)."""
     return cdiv(m, GROUP) * GROUP
+
+
+def halves_width(inter: int) -> int:
+    """The width of a packed tensor in halves: 2I, with I padded to a multiple of ``HALF``."""
+    return 2 * cdiv(inter, HALF) * HALF
+
+
+def pack_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """[M, I] and [M, I] -> [M, halves_width(I)]: per group, ``HALF`` columns of each (zeros past I)."""
+    m, inter = first.shape
+    groups = cdiv(inter, HALF)
+    pad = (0, groups * HALF - inter)
+    halves = [torch.nn.functional.pad(t, pad).view(m, groups, 1, HALF) for t in (first, second)]
+    return torch.cat(halves, dim=2).view(m, groups * GROUP)
+
+
+def unpack_halves(packed: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_halves``: (first, second), each [M, inter]."""
+    grouped = packed.view(packed.shape[0], -1, 2, HALF)
+    return tuple(grouped[:, :, i].reshape(packed.shape[0], -1)[:, :inter] for i in (0, 1))
 
 
 def group_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,19 +27,16 @@ import triton
 import triton.language as tl
 
 from ..kernels.common import (
-    CHUNK,
     cdiv,
     descriptor,
     empty,
     interpreting,
-    pack_columns,
     silu_and_slope,
     tma_ready,
-    unpack_columns,
 )
 from ..kernels.configs import FP8_FORWARD_PASS_WARPS, FP8_PASS_WARPS
 from ..kernels.launch import KernelLauncher, Tma
-from .format import E4M3, GROUP, MIN_AMAX, Fp8, reduction_width
+from .format import E4M3, GROUP, HALF, MIN_AMAX, Fp8, halves_width, reduction_width
 
 #: Interpreter: encode and decode e4m3 in integer arithmetic (see the module docstring).
 SOFTWARE = interpreting()
@@ -146,76 +143,100 @@ def _quantize_activation_kernel(
 
 @triton.jit
 def _quantize_weight_kernel(
-    w_desc,  # [R, C], tiles [G, G]
-    q_desc,  # [R, Cp], or [C, Rp] transposed: the reduction dimension padded with zeros
-    s_ptr,  # [R / G, Cp / G], or [C / G, Rp / G] transposed
+    w_desc,  # [R, C], tiles [G / 2, G]; the gate/up weight (HALVES): [I / 8, 16, C], tiles [8, 8, G]
+    q_desc,  # [R', Cp] tiles [G / 2, G], or [C, Rp] tiles [G, G / 2] transposed: R' = halves_width(I)
+    s_ptr,  # [R' / G, Cp / G], or [C / G, Rp / G] transposed
     TRANSPOSED: tl.constexpr,
+    HALVES: tl.constexpr,  # the packed gate/up weight, its rows read in halves (format.py)
     G: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
     i_r, i_c = tl.program_id(0), tl.program_id(1)
-    b_w = w_desc.load([i_r * G, i_c * G]).to(tl.float32)
-    scale, inverse = _group_scale(tl.max(_amax(b_w, 1), 0))
-    q = _e4m3(b_w * inverse, SOFTWARE_)
+    b_first = _weight_half(w_desc, i_r, i_c, 0, HALVES, G)
+    b_second = _weight_half(w_desc, i_r, i_c, 1, HALVES, G)
+    scale, inverse = _group_scale(tl.maximum(tl.max(_amax(b_first, 1), 0), tl.max(_amax(b_second, 1), 0)))
+    q_first, q_second = _e4m3(b_first * inverse, SOFTWARE_), _e4m3(b_second * inverse, SOFTWARE_)
     if TRANSPOSED:
-        q_desc.store([i_c * G, i_r * G], tl.trans(q))
+        q_desc.store([i_c * G, i_r * G], tl.trans(q_first))
+        q_desc.store([i_c * G, i_r * G + G // 2], tl.trans(q_second))
         tl.store(s_ptr + i_c * tl.num_programs(0) + i_r, scale)
     else:
-        q_desc.store([i_r * G, i_c * G], q)
+        q_desc.store([i_r * G, i_c * G], q_first)
+        q_desc.store([i_r * G + G // 2, i_c * G], q_second)
         tl.store(s_ptr + i_r * tl.num_programs(1) + i_c, scale)
 
 
 @triton.jit
-def _glu_half(
-    h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, i_p, Mp, N, gate_multiplier, down_multiplier,
-    SAVE: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, CHUNK_: tl.constexpr, SOFTWARE_: tl.constexpr
+def _weight_half(w_desc, i_r, i_c, half, HALVES: tl.constexpr, G: tl.constexpr):
+    """Rows [G / 2, G] of block (i_r, i_c): of the packed gate/up weight, one half of group i_r."""
+    if HALVES:  # the layout's chunks of 8 rows, [up | gate] in pairs: one half is every other chunk
+        b = tl.reshape(w_desc.load([i_r * (G // 16), half * 8, i_c * G]), (G // 2, G))
+    else:
+        b = w_desc.load([i_r * G + half * (G // 2), i_c * G])
+    return b.to(tl.float32)
+
+
+@triton.jit
+def _store_halves(first, second, desc, s_ptr, o_m, i_g, Mp, G: tl.constexpr, SOFTWARE_: tl.constexpr):
+    """Group ``i_g`` of a tensor in halves, [first | second] ([BM, G / 2] each), stored as rows:
+    e4m3 and one scale per row."""
+    scale, inverse = _group_scale(tl.maximum(_amax(first, 1), _amax(second, 1)))
+    desc.store([o_m, i_g * G], _e4m3(first * inverse[:, None], SOFTWARE_))
+    desc.store([o_m, i_g * G + G // 2], _e4m3(second * inverse[:, None], SOFTWARE_))
+    tl.store(s_ptr + i_g.to(tl.int64) * Mp + o_m + tl.arange(0, first.shape[0]), scale)
+
+
+@triton.jit
+def _store_transposed(b, desc, offsets, s_row, columns, mask, SOFTWARE_: tl.constexpr):
+    """``b`` [BM, G / 2] stored transposed, as rows: the tile at ``offsets`` of ``desc`` ([G / 2, BM],
+    or the same split as [8, 8, BM]), and its columns' scales at ``s_row + columns``."""
+    q_t, scale_t = _quantized_columns(b, SOFTWARE_)
+    desc.store(offsets, tl.reshape(q_t, desc.block_shape))
+    tl.store(s_row + columns, scale_t, mask=mask)
+
+
+@triton.jit
+def _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, o_n, N, G: tl.constexpr, SOFTWARE_: tl.constexpr):
+    """``a`` [BM, G / 2] (intermediate columns ``o_n`` on) stored transposed, as rows of [N, Mp]."""
+    o_c = o_n + tl.arange(0, G // 2)
+    _store_transposed(b_a, at_desc, [o_n, o_m], ats_ptr + i_m.to(tl.int64) * N, o_c, o_c < N, SOFTWARE_)
+
+
+@triton.jit
+def _glu_group(
+    h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, i_g, Mp, N, gate_multiplier, down_multiplier,
+    SAVE: tl.constexpr, G: tl.constexpr, SOFTWARE_: tl.constexpr
 ):  # fmt: skip
-    """One group of G packed columns (``i_p``: G / 2 intermediate columns) of the forward pass: the
-    kept tensor's group and ``a``'s transposed columns stored; ``down_multiplier * a`` [BM, G / 2]
+    """One group of h (``i_g``: G / 2 intermediate columns) through the forward pass: the kept
+    tensor's group and ``a``'s transposed columns stored; ``down_multiplier * a`` [BM, G / 2]
     returned for ``a``'s rows."""
-    b_h = h_desc.load([o_m, i_p * G]).to(tl.float32)
+    inside = i_g * (G // 2) < N  # else a group past I: zeros in, nothing of it kept
+    b_up = h_desc.load([o_m, i_g * G]).to(tl.float32)
+    b_gate = h_desc.load([o_m, i_g * G + G // 2]).to(tl.float32)
     if k_desc is not None and SAVE == 2:  # noqa: SIM102 - a compile-time branch around a run-time one
-        if i_p * G < 2 * N:  # the pre-activations as packed, before the SwiGLU takes registers
-            _store_rows(b_h, k_desc, ks_ptr, o_m, i_p, Mp, G, SOFTWARE_)
-    b_up, b_gate = unpack_columns(b_h, BM, G, CHUNK_)
+        if inside:  # the pre-activations as they are, before the SwiGLU takes registers
+            _store_halves(b_up, b_gate, k_desc, ks_ptr, o_m, i_g, Mp, G, SOFTWARE_)
     b_silu, b_slope = silu_and_slope(b_gate * gate_multiplier)
     b_a = b_silu * b_up * down_multiplier
     if k_desc is not None:  # noqa: SIM102
-        if i_p * G < 2 * N:  # not a padding group
+        if inside:
             if SAVE == 1:
-                b_kept = pack_columns(b_silu, b_up * b_slope * gate_multiplier, BM, G, CHUNK_)
-                _store_rows(b_kept, k_desc, ks_ptr, o_m, i_p, Mp, G, SOFTWARE_)
+                b_up_factor = b_up * b_slope * gate_multiplier
+                _store_halves(b_silu, b_up_factor, k_desc, ks_ptr, o_m, i_g, Mp, G, SOFTWARE_)
             if at_desc is not None:
-                _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, i_p, N, G, SOFTWARE_)
+                _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, i_g * (G // 2), N, G, SOFTWARE_)
     return b_a
 
 
 @triton.jit
-def _store_rows(b, desc, s_ptr, o_m, i_c, Mp, G: tl.constexpr, SOFTWARE_: tl.constexpr):
-    """``b`` [BM, G] (column group ``i_c``) stored as rows: e4m3 and one scale per row."""
-    q, scale = _quantized_rows(b, SOFTWARE_)
-    desc.store([o_m, i_c * G], q)
-    tl.store(s_ptr + i_c.to(tl.int64) * Mp + o_m + tl.arange(0, b.shape[0]), scale)
-
-
-@triton.jit
-def _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, i_p, N, G: tl.constexpr, SOFTWARE_: tl.constexpr):
-    """``a`` [BM, G / 2] (packed group ``i_p``'s intermediate columns) stored transposed, as rows."""
-    q_t, scale_t = _quantized_columns(b_a, SOFTWARE_)
-    at_desc.store([i_p * (G // 2), o_m], q_t)
-    o_n = i_p * (G // 2) + tl.arange(0, G // 2)
-    tl.store(ats_ptr + i_m.to(tl.int64) * N + o_n, scale_t, mask=o_n < N)
-
-
-@triton.jit
 def _glu_forward_kernel(  # N: the intermediate size
-    h_desc,  # [Mp, 2N] packed [u | g] chunks, the gate/up GEMM's output; tiles [BM, G]
-    a_desc,  # [Mp, Np] e4m3: N padded with zeros to the down GEMM's reduction width; tiles [BM, G]
+    h_desc,  # [Mp, halves_width(N)] in halves, the gate/up GEMM's output; tiles [BM, G / 2]
+    a_desc,  # [Mp, Np] e4m3: N padded with zeros to the down GEMM's reduction width; tiles [BM, G / 2]
     as_ptr,  # [Np / G, Mp]
     at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]; or None (inference, pre-activations kept)
     ats_ptr,  # [Mp / G, N]
-    k_desc,  # [Mp, 2N] e4m3 packed: factors or pre-activations, tiles [BM, G]; or None
-    ks_ptr,  # [2N / G, Mp]
+    k_desc,  # [Mp, halves_width(N)] e4m3 in halves: factors or pre-activations, tiles [BM, G / 2]; or None
+    ks_ptr,  # [halves_width(N) / G, Mp]
     Mp,
     N,
     gate_multiplier,
@@ -223,33 +244,42 @@ def _glu_forward_kernel(  # N: the intermediate size
     SAVE: tl.constexpr,  # 1: factors [silu(g) | gate_multiplier * u * silu'(g)]; 2: [u | unscaled g]
     BM: tl.constexpr,
     G: tl.constexpr,
-    CHUNK_: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
-    # A tile is G intermediate columns (one group of a's rows), done in two halves of G packed
-    # columns (one group of the kept tensor's rows each): half the registers of the whole tile.
+    # A program makes one group of a's rows (G intermediate columns) from two groups of h.
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM
-    b_lo = _glu_half(
-        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n, Mp, N, gate_multiplier, down_multiplier,
-        SAVE, BM, G, CHUNK_, SOFTWARE_,
-    )  # fmt: skip
-    b_hi = _glu_half(
-        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n + 1, Mp, N, gate_multiplier,
-        down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_,
-    )  # fmt: skip
-    b_a = tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 2, 1)), (BM, G))  # [lo | hi]
-    _store_rows(b_a, a_desc, as_ptr, o_m, i_n, Mp, G, SOFTWARE_)
+    multipliers = (gate_multiplier, down_multiplier)
+    b_lo = _glu_group(
+        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n, Mp, N, *multipliers, SAVE, G, SOFTWARE_
+    )
+    b_hi = _glu_group(
+        h_desc,
+        k_desc,
+        ks_ptr,
+        at_desc,
+        ats_ptr,
+        o_m,
+        i_m,
+        2 * i_n + 1,
+        Mp,
+        N,
+        *multipliers,
+        SAVE,
+        G,
+        SOFTWARE_,
+    )
+    _store_halves(b_lo, b_hi, a_desc, as_ptr, o_m, i_n, Mp, G, SOFTWARE_)
 
 
 @triton.jit
 def _glu_backward_kernel(  # N: the intermediate size
     da_desc,  # [Mp, N] dA = dY @ W_down (before the down multiplier), tiles [BM, G / 2]
-    k_desc,  # [Mp, 2N] e4m3 packed, kept by the forward, tiles [BM, G]
-    ks_ptr,  # [2N / G, Mp]
-    g_desc,  # [Mp, 2Np] e4m3 packed [dU | dG], 2N padded with zeros to dX's reduction width; or None
-    gs_ptr,  # [2Np / G, Mp]
-    gt_desc,  # [2N, Mp] e4m3, tiles [G, BM]; or None
+    k_desc,  # [Mp, halves_width(N)] e4m3 in halves, kept by the forward, tiles [BM, G / 2]
+    ks_ptr,  # [halves_width(N) / G, Mp]
+    g_desc,  # [Mp, Wp] e4m3 [dU | dG] in halves, zeros up to dX's reduction width Wp; or None
+    gs_ptr,  # [Wp / G, Mp]
+    gt_desc,  # [2N, Mp] e4m3 in the weight's packing, as [N / 8, 16, Mp], tiles [8, 8, BM]; or None
     gts_ptr,  # [Mp / G, 2N]
     at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]: a's transpose from the kept pre-activations; or None
     ats_ptr,  # [Mp / G, N]
@@ -260,19 +290,15 @@ def _glu_backward_kernel(  # N: the intermediate size
     SAVE: tl.constexpr,
     BM: tl.constexpr,
     G: tl.constexpr,
-    CHUNK_: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
-    i_m, i_p = tl.program_id(0), tl.program_id(1)  # i_p: a group of G packed columns
-    o_m, o_p = i_m * BM, i_p * G
-    b_da = da_desc.load([o_m, i_p * (G // 2)]).to(tl.float32) * down_multiplier
-    b_k = _from_e4m3(k_desc.load([o_m, o_p]), SOFTWARE_)
-    inside = o_p < 2 * N  # else a padding group: dA and the kept tensor read as zeros
-    b_k = (
-        b_k
-        * tl.load(ks_ptr + i_p.to(tl.int64) * Mp + o_m + tl.arange(0, BM), mask=inside, other=1.0)[:, None]
-    )
-    b_first, b_second = unpack_columns(b_k, BM, G, CHUNK_)
+    i_m, i_g = tl.program_id(0), tl.program_id(1)  # i_g: a group of the packed gradient
+    o_m, o_n = i_m * BM, i_g * (G // 2)
+    inside = o_n < N  # else a padding group: dA and the kept tensor read as zeros
+    b_da = da_desc.load([o_m, o_n]).to(tl.float32) * down_multiplier
+    row_scale = tl.load(ks_ptr + i_g.to(tl.int64) * Mp + o_m + tl.arange(0, BM), mask=inside, other=1.0)
+    b_first = _from_e4m3(k_desc.load([o_m, i_g * G]), SOFTWARE_) * row_scale[:, None]
+    b_second = _from_e4m3(k_desc.load([o_m, i_g * G + G // 2]), SOFTWARE_) * row_scale[:, None]
     if SAVE == 1:
         b_du, b_dg = b_da * b_first, b_da * b_second
     else:
@@ -281,16 +307,17 @@ def _glu_backward_kernel(  # N: the intermediate size
         if at_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
             if inside:
                 _store_a_t(
-                    b_silu * b_first * down_multiplier, at_desc, ats_ptr, o_m, i_m, i_p, N, G, SOFTWARE_
+                    b_silu * b_first * down_multiplier, at_desc, ats_ptr, o_m, i_m, o_n, N, G, SOFTWARE_
                 )
-    b_grad = pack_columns(b_du, b_dg, BM, G, CHUNK_)
     if g_desc is not None:
-        _store_rows(b_grad, g_desc, gs_ptr, o_m, i_p, Mp, G, SOFTWARE_)
-    if gt_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
-        if inside:
-            q_t, scale_t = _quantized_columns(b_grad, SOFTWARE_)
-            gt_desc.store([o_p, o_m], q_t)
-            tl.store(gts_ptr + i_m.to(tl.int64) * (2 * N) + o_p + tl.arange(0, G), scale_t)
+        _store_halves(b_du, b_dg, g_desc, gs_ptr, o_m, i_g, Mp, G, SOFTWARE_)
+    if gt_desc is not None:  # noqa: SIM102
+        if inside:  # dU's and dG's rows of the transpose in the weight's packing: alternate chunks of 8
+            o_c = o_n + tl.arange(0, G // 2)
+            packed = (o_c // 8) * 16 + o_c % 8
+            s_row = gts_ptr + i_m.to(tl.int64) * (2 * N)
+            _store_transposed(b_du, gt_desc, [i_g * (G // 16), 0, o_m], s_row, packed, o_c < N, SOFTWARE_)
+            _store_transposed(b_dg, gt_desc, [i_g * (G // 16), 8, o_m], s_row, packed + 8, o_c < N, SOFTWARE_)
 
 
 _launch_quantize_activation = KernelLauncher(_quantize_activation_kernel, descriptor)
@@ -308,7 +335,9 @@ def _tma(t: torch.Tensor | None, block: tuple[int, int]) -> Tma | None:
     return None if t is None else Tma(_stored(t) if t.dtype == E4M3 else t, block)
 
 
-def quantize_activation(x: torch.Tensor, rows: int, transposed: bool, width: int) -> tuple[Fp8, Fp8 | None]:
+def quantize_activation(
+    x: torch.Tensor, rows: int, transposed: bool, width: int, warps: int | None = None
+) -> tuple[Fp8, Fp8 | None]:
     """x [M, F] as rows [rows, width] (``rows`` >= M, ``width`` >= F: zeros past x), and with
     ``transposed`` its transpose as rows [F, rows]."""
     m, f = x.shape
@@ -329,54 +358,66 @@ def quantize_activation(x: torch.Tensor, rows: int, transposed: bool, width: int
         BM=GROUP,
         G=GROUP,
         SOFTWARE_=SOFTWARE,
-        num_warps=FP8_PASS_WARPS,
+        num_warps=warps or FP8_PASS_WARPS,
     )
     return Fp8(q, s), (Fp8(qt, st) if transposed else None)
 
 
-def quantize_weight(w: torch.Tensor, transposed: bool) -> Fp8:
+def quantize_weight(w: torch.Tensor, transposed: bool, halves: bool = False, warps: int | None = None) -> Fp8:
     """w [R, C] in 128 x 128 blocks, as it is ([R, Cp]) or transposed ([C, Rp]), the reduction
-    dimension padded with zeros to ``reduction_width`` (format.py)."""
+    dimension padded with zeros to ``reduction_width`` (format.py); with ``halves``, w is the packed
+    gate/up weight [2I, C] and its rows come in halves ([halves_width(I), Cp], or columns so
+    transposed)."""
     r, c = w.shape
     w = tma_ready(w)
-    rp, cp = (reduction_width(r), c) if transposed else (r, reduction_width(c))
-    shape = (c, rp) if transposed else (r, cp)
+    rows = halves_width(r // 2) if halves else r  # the rows' extent in the output's order
+    rp, cp = (reduction_width(rows), c) if transposed else (rows, reduction_width(c))
+    shape = (c, rp) if transposed else (rows, cp)
     q = empty(shape, w, E4M3)
     s = empty((cdiv(shape[0], GROUP), shape[1] // GROUP), w, torch.float32)
+    source = Tma(w.view(r // 16, 16, c), (8, 8, GROUP)) if halves else _tma(w, (HALF, GROUP))
     _launch_quantize_weight(
         (cdiv(rp, GROUP), cdiv(cp, GROUP)),
-        _tma(w, (GROUP, GROUP)),
-        _tma(q, (GROUP, GROUP)),
+        source,
+        _tma(q, (GROUP, HALF) if transposed else (HALF, GROUP)),
         s,
         TRANSPOSED=transposed,
+        HALVES=halves,
         G=GROUP,
         SOFTWARE_=SOFTWARE,
-        num_warps=FP8_PASS_WARPS,
+        num_warps=warps or FP8_PASS_WARPS,
     )
     return Fp8(q, s, blocks=True)
 
 
-def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multiplier: float):
-    """From the packed pre-activation h [Mp, 2I]: ``a`` as rows [Mp, reduction_width(I)], and for
-    training the kept tensor (rows, packed; ``save`` 1: factors, 2: pre-activations) and with the
-    factors ``a``'s transpose (rows); ``save`` 0 (inference): ``a`` only."""
-    mp, two_inter = h.shape
-    inter = two_inter // 2
+def glu_forward(
+    h: torch.Tensor,
+    inter: int,
+    save: int,
+    gate_multiplier: float,
+    down_multiplier: float,
+    warps: int | None = None,
+):
+    """From the pre-activation h [Mp, halves_width(inter)] in halves: ``a`` as rows [Mp,
+    reduction_width(inter)], and for training the kept tensor (rows, in halves; ``save`` 1: factors,
+    2: pre-activations) and with the factors ``a``'s transpose (rows); ``save`` 0 (inference): ``a``
+    only."""
+    mp = h.shape[0]
     width = reduction_width(inter)
     a = Fp8(empty((mp, width), h, E4M3), empty((width // GROUP, mp), h, torch.float32))
     at = kept = Fp8(None, None)
     if save == 1:
         at = _a_t(inter, mp, h)
     if save:
-        kept = Fp8(empty((mp, two_inter), h, E4M3), empty((two_inter // GROUP, mp), h, torch.float32))
+        kept = Fp8(empty(h.shape, h, E4M3), empty((h.shape[1] // GROUP, mp), h, torch.float32))
     _launch_glu_forward(
         (mp // GROUP, width // GROUP),
-        _tma(h, (GROUP, GROUP)),
-        _tma(a.data, (GROUP, GROUP)),
+        _tma(h, (GROUP, HALF)),
+        _tma(a.data, (GROUP, HALF)),
         a.scales,
-        _tma(at.data, (GROUP // 2, GROUP)),
+        _tma(at.data, (HALF, GROUP)),
         at.scales,
-        _tma(kept.data, (GROUP, GROUP)),
+        _tma(kept.data, (GROUP, HALF)),
         kept.scales,
         mp,
         inter,
@@ -385,9 +426,8 @@ def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multipl
         SAVE=save,
         BM=GROUP,
         G=GROUP,
-        CHUNK_=CHUNK,
         SOFTWARE_=SOFTWARE,
-        num_warps=FP8_FORWARD_PASS_WARPS,
+        num_warps=warps or FP8_FORWARD_PASS_WARPS,
     )
     return a, (at if save == 1 else None), (kept if save else None)
 
@@ -405,14 +445,17 @@ def glu_backward(
     rows: bool,
     transposed: bool,
     a_t: bool = False,
+    warps: int | None = None,
 ) -> tuple[Fp8 | None, Fp8 | None, Fp8 | None]:
-    """The packed gradient [dU | dG] from dA [Mp, I] and the forward's kept tensor: as rows
-    [Mp, reduction_width(2I)] (for dX) and its transpose as rows [2I, Mp] (for dW_gate_up), and
-    ``a``'s transpose as rows [I, Mp] (for dW_down) from kept pre-activations, each where asked."""
+    """The packed gradient [dU | dG] from dA [Mp, I] and the forward's kept tensor: as rows in
+    halves [Mp, reduction_width(halves_width(I))] (for dX) and its transpose as rows [2I, Mp] in
+    the weight's packing (for dW_gate_up), and ``a``'s transpose as rows [I, Mp] (for dW_down) from
+    kept pre-activations, each where asked."""
     if a_t and save != 2:
         raise ValueError("a's transpose comes from the backward only where the pre-activations were kept")
     mp, inter = da.shape
-    width = reduction_width(2 * inter)
+    packed = halves_width(inter)
+    width = reduction_width(packed)
     grad = grad_t = at = Fp8(None, None)
     if a_t:
         at = _a_t(inter, mp, da)
@@ -421,15 +464,15 @@ def glu_backward(
     if transposed:
         grad_t = Fp8(empty((2 * inter, mp), da, E4M3), empty((mp // GROUP, 2 * inter), da, torch.float32))
     _launch_glu_backward(
-        (mp // GROUP, (width if rows else 2 * inter) // GROUP),
-        _tma(tma_ready(da), (GROUP, GROUP // 2)),
-        _tma(kept.data, (GROUP, GROUP)),
+        (mp // GROUP, (width if rows else packed) // GROUP),
+        _tma(tma_ready(da), (GROUP, HALF)),
+        _tma(kept.data, (GROUP, HALF)),
         kept.scales,
-        _tma(grad.data, (GROUP, GROUP)),
+        _tma(grad.data, (GROUP, HALF)),
         grad.scales,
-        _tma(grad_t.data, (GROUP, GROUP)),
+        None if grad_t.data is None else Tma(_stored(grad_t.data).view(inter // 8, 16, mp), (8, 8, GROUP)),
         grad_t.scales,
-        _tma(at.data, (GROUP // 2, GROUP)),
+        _tma(at.data, (HALF, GROUP)),
         at.scales,
         mp,
         inter,
@@ -438,8 +481,7 @@ def glu_backward(
         SAVE=save,
         BM=GROUP,
         G=GROUP,
-        CHUNK_=CHUNK,
         SOFTWARE_=SOFTWARE,
-        num_warps=FP8_PASS_WARPS,
+        num_warps=warps or FP8_PASS_WARPS,
     )
     return (grad if rows else None), (grad_t if transposed else None), (at if a_t else None)

@@ -30,7 +30,7 @@ from ..kernels.plans import planned
 from ..library import define
 from ..ops import _empty_if_none, _on_tensor_device, _refuse_double_backward
 from . import kernels
-from .format import GROUP, Fp8, mm, padded_rows, reduction_width
+from .format import GROUP, Fp8, halves_width, mm, padded_rows, reduction_width
 
 #: What training keeps, by save mode, as the passes' constexpr (0: nothing, inference).
 KEPT = {"factors": 1, "preact": 2}
@@ -70,20 +70,23 @@ quantize = define(
 
 @_on_tensor_device
 @planned
-def _quantize_weight(w, transposed):
-    q = kernels.quantize_weight(w, transposed)
+def _quantize_weight(w, transposed, halves):
+    q = kernels.quantize_weight(w, transposed, halves)
     return q.data, q.scales
 
 
-def _quantize_weight_fake(w, transposed):
-    r, c = w.shape[::-1] if transposed else w.shape
+def _quantize_weight_fake(w, transposed, halves):
+    r, c = w.shape
+    if halves:
+        r = halves_width(r // 2)
+    r, c = (c, r) if transposed else (r, c)
     width = reduction_width(c)
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     return w.new_empty(r, width, dtype=e4m3), w.new_empty(-(-r // GROUP), width // GROUP, dtype=f32)
 
 
 quantize_weight = define(
-    "fp8_quantize_weight(Tensor w, bool transposed) -> (Tensor, Tensor)",
+    "fp8_quantize_weight(Tensor w, bool transposed, bool halves) -> (Tensor, Tensor)",
     _quantize_weight,
     _quantize_weight_fake,
 )
@@ -91,23 +94,22 @@ quantize_weight = define(
 
 @_on_tensor_device
 @planned
-def _glu_forward(h, kept, gate_multiplier, down_multiplier):
-    a, a_t, saved = kernels.glu_forward(h, kept, gate_multiplier, down_multiplier)
+def _glu_forward(h, inter, kept, gate_multiplier, down_multiplier):
+    a, a_t, saved = kernels.glu_forward(h, inter, kept, gate_multiplier, down_multiplier)
     rest = (None, None) if a_t is None else (a_t.data, a_t.scales)
     rest += (None, None) if saved is None else (saved.data, saved.scales)
     return _none_to_empty(a.data, a.scales, *rest, like=h)
 
 
-def _glu_forward_fake(h, kept, gate_multiplier, down_multiplier):
-    mp, two_inter = h.shape
-    inter = two_inter // 2
+def _glu_forward_fake(h, inter, kept, gate_multiplier, down_multiplier):
+    mp, packed = h.shape
     width = reduction_width(inter)
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     a = (h.new_empty(mp, width, dtype=e4m3), h.new_empty(width // GROUP, mp, dtype=f32))
     if not kept:
         return _none_to_empty(*a, None, None, None, None, like=h)
     a_t = _a_t_fake(inter, mp, h) if kept == 1 else (None, None)
-    saved = (h.new_empty(mp, two_inter, dtype=e4m3), h.new_empty(two_inter // GROUP, mp, dtype=f32))
+    saved = (h.new_empty(mp, packed, dtype=e4m3), h.new_empty(packed // GROUP, mp, dtype=f32))
     return _none_to_empty(*a, *a_t, *saved, like=h)
 
 
@@ -118,7 +120,7 @@ def _a_t_fake(inter, mp, like):
 
 
 glu_forward = define(
-    "fp8_glu_forward(Tensor h, int kept, float gate_multiplier, float down_multiplier) "
+    "fp8_glu_forward(Tensor h, int inter, int kept, float gate_multiplier, float down_multiplier) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _glu_forward,
     _glu_forward_fake,
@@ -142,7 +144,7 @@ def _glu_backward_fake(
     da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed, a_t
 ):
     mp, inter = da.shape
-    width = reduction_width(2 * inter)
+    width = reduction_width(halves_width(inter))
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     pieces = (
         (da.new_empty(mp, width, dtype=e4m3), da.new_empty(width // GROUP, mp, dtype=f32))
@@ -167,8 +169,8 @@ glu_backward = define(
 )
 
 
-def _weight(w: torch.Tensor, transposed: bool) -> Fp8:
-    data, scales = quantize_weight(w, transposed)
+def _weight(w: torch.Tensor, transposed: bool, halves: bool = False) -> Fp8:
+    data, scales = quantize_weight(w, transposed, halves)
     return Fp8(data, scales, blocks=True)
 
 
@@ -178,10 +180,10 @@ def _unpadded(t: torch.Tensor, m: int) -> torch.Tensor:
 
 def mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, out_dtype):
     """y [M, H] in ``out_dtype``, nothing kept."""
-    m = x2d.shape[0]
+    m, inter = x2d.shape[0], down_weight.shape[1]
     x_data, x_scales, _, _ = quantize(x2d, padded_rows(m), False)
-    h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False), out_dtype)
-    a_data, a_scales, *_ = glu_forward(h, 0, gate_multiplier, down_multiplier)
+    h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
+    a_data, a_scales, *_ = glu_forward(h, inter, 0, gate_multiplier, down_multiplier)
     del h
     return _unpadded(mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype), m)
 
@@ -193,13 +195,13 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save, out_dtype):
-        m = x2d.shape[0]
+        m, inter = x2d.shape[0], down_weight.shape[1]
         rows = padded_rows(m)
         kept = KEPT[save]
         x_data, x_scales, xt_data, xt_scales = quantize(x2d, rows, True)
-        h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False), out_dtype)
+        h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
         a_data, a_scales, at_data, at_scales, kept_data, kept_scales = glu_forward(
-            h, kept, gate_multiplier, down_multiplier
+            h, inter, kept, gate_multiplier, down_multiplier
         )
         del h
         y = mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype)
@@ -236,7 +238,7 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
         if need_dw_down:
             dw_down = mm(Fp8(dyt_data, dyt_scales), Fp8(at_data, at_scales), down_dtype)
         if need_dx:
-            dx = _unpadded(mm(Fp8(g_data, g_scales), _weight(gate_up_weight, True), x_dtype), m)
+            dx = _unpadded(mm(Fp8(g_data, g_scales), _weight(gate_up_weight, True, halves=True), x_dtype), m)
         if need_dw_gate_up:
             dw_gate_up = mm(Fp8(gt_data, gt_scales), Fp8(xt_data, xt_scales), gate_up_dtype)
         return dx, dw_gate_up, dw_down, None, None, None, None

@@ -7,8 +7,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layout import pack_gate_up, split_packed_columns
-from .format import Fp8, dequantize, padded_rows, quantize_blocks, quantize_rows, reduction_width
+from ..layout import pack_gate_up, unpack_gate_up
+from .format import (
+    Fp8,
+    dequantize,
+    halves_width,
+    pack_halves,
+    padded_rows,
+    quantize_blocks,
+    quantize_rows,
+    reduction_width,
+    unpack_halves,
+)
 
 
 def _silu_and_slope(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,28 +27,35 @@ def _silu_and_slope(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _packed(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """[M, I] halves -> [M, 2I] in the packed column order (up's place first)."""
+    """[M, I] and [M, I] -> [M, 2I] in the weight's packing (layout.py; up's place first)."""
     return pack_gate_up(second.t(), first.t()).t()
 
 
-def glu_forward(h: torch.Tensor, save: int, gate_multiplier: float, down_multiplier: float):
-    """kernels.glu_forward: h [Mp, 2I] packed -> (a, a^T, kept) as rows (a^T None unless the
-    factors are kept, kept None for ``save`` 0)."""
-    up, gate = (t.float() for t in split_packed_columns(h))
+def gate_up_in_halves(w: torch.Tensor) -> torch.Tensor:
+    """The packed gate/up weight [2I, H] with its rows in halves [halves_width(I), H] (format.py):
+    the order of h and of everything the passes make from it."""
+    gate, up = unpack_gate_up(w)
+    return pack_halves(up.t(), gate.t()).t()
+
+
+def glu_forward(h: torch.Tensor, inter: int, save: int, gate_multiplier: float, down_multiplier: float):
+    """kernels.glu_forward: h [Mp, halves_width(I)] in halves -> (a, a^T, kept) as rows (a^T None
+    unless the factors are kept, kept None for ``save`` 0)."""
+    up, gate = (t.float() for t in unpack_halves(h, inter))
     silu, slope = _silu_and_slope(gate * gate_multiplier)
     a = silu * up * down_multiplier
     a_rows = quantize_rows(a, width=reduction_width(a.shape[1]))
     if not save:
         return a_rows, None, None
     if save == 1:
-        return a_rows, quantize_rows(a.t()), quantize_rows(_packed(silu, up * slope * gate_multiplier))
-    return a_rows, None, quantize_rows(_packed(up, gate))
+        return a_rows, quantize_rows(a.t()), quantize_rows(pack_halves(silu, up * slope * gate_multiplier))
+    return a_rows, None, quantize_rows(pack_halves(up, gate))
 
 
 def glu_backward(da: torch.Tensor, kept: Fp8, save: int, gate_multiplier: float, down_multiplier: float):
-    """kernels.glu_backward: (grad, grad^T, a^T) as rows, grad = [dU | dG] packed, a^T (recomputed
-    from kept pre-activations) None for kept factors."""
-    first, second = split_packed_columns(dequantize(kept))
+    """kernels.glu_backward: (grad, grad^T, a^T) as rows, grad = [dU | dG] in halves, grad^T in the
+    weight's packing, a^T (recomputed from kept pre-activations) None for kept factors."""
+    first, second = unpack_halves(dequantize(kept), da.shape[1])
     da = da.float() * down_multiplier
     a_t = None
     if save == 1:
@@ -47,8 +64,9 @@ def glu_backward(da: torch.Tensor, kept: Fp8, save: int, gate_multiplier: float,
         silu, slope = _silu_and_slope(second * gate_multiplier)
         du, dg = da * silu, da * first * slope * gate_multiplier
         a_t = quantize_rows((silu * first * down_multiplier).t())
-    grad = _packed(du, dg)
-    return quantize_rows(grad, width=reduction_width(grad.shape[1])), quantize_rows(grad.t()), a_t
+    grad = pack_halves(du, dg)
+    grad_rows = quantize_rows(grad, width=reduction_width(grad.shape[1]))
+    return grad_rows, quantize_rows(_packed(du, dg).t()), a_t
 
 
 def _mm(a: Fp8, b: Fp8) -> torch.Tensor:
@@ -61,15 +79,14 @@ def swiglu_mlp_fp8(x, gate_up_weight, down_weight, dy, *, gate_multiplier=1.0, d
     (m, hidden), inter = x.shape, down_weight.shape[1]
     rows, hidden_width, inter_width = padded_rows(m), reduction_width(hidden), reduction_width(inter)
     x_pad = F.pad(x.float(), (0, 0, 0, rows - m))
-    h = _mm(quantize_rows(x_pad, width=hidden_width), quantize_blocks(gate_up_weight, hidden_width)).to(
-        x.dtype
-    )
-    a, a_t, kept = glu_forward(h, save, gate_multiplier, down_multiplier)
+    w_gate_up = gate_up_in_halves(gate_up_weight)
+    h = _mm(quantize_rows(x_pad, width=hidden_width), quantize_blocks(w_gate_up, hidden_width)).to(x.dtype)
+    a, a_t, kept = glu_forward(h, inter, save, gate_multiplier, down_multiplier)
     y = _mm(a, quantize_blocks(down_weight, inter_width))[:m]
     dy_pad = F.pad(dy.float(), (0, 0, 0, rows - m))
     da = _mm(quantize_rows(dy_pad, width=hidden_width), quantize_blocks(down_weight.t(), hidden_width))
     grad, grad_t, recomputed_a_t = glu_backward(da.to(x.dtype), kept, save, gate_multiplier, down_multiplier)
     dw_down = _mm(quantize_rows(dy_pad.t()), a_t if save == 1 else recomputed_a_t)
-    dx = _mm(grad, quantize_blocks(gate_up_weight.t(), reduction_width(2 * inter)))[:m]
+    dx = _mm(grad, quantize_blocks(w_gate_up.t(), reduction_width(halves_width(inter))))[:m]
     dw_gate_up = _mm(grad_t, quantize_rows(x_pad.t()))
     return y, (dx, dw_gate_up, dw_down)
