@@ -47,17 +47,21 @@ MIN_AMAX_ = tl.constexpr(MIN_AMAX)
 def _group_scale(amax):
     """(scale, 1 / scale) of a group, as format.group_scale makes them: amax / 448 and 448 / amax,
     each rounded to nearest (``div_rn``, not the GPU's approximate division), amax at least
-    ``MIN_AMAX``; 1 and 1 for a group of zeros, inf and 0 for inf."""
+    ``MIN_AMAX``; 1 and 1 for a group of zeros (or of NaN only), inf and 0 for inf."""
     clamped = tl.maximum(amax, MIN_AMAX_)
     scale = tl.div_rn(clamped, 448.0)
     inverse = tl.div_rn(tl.full(clamped.shape, 448.0, tl.float32), clamped)
-    return tl.where(amax == 0.0, 1.0, scale), tl.where(amax == 0.0, 1.0, inverse)
+    none = (amax == 0.0) | (amax != amax)
+    return tl.where(none, 1.0, scale), tl.where(none, 1.0, inverse)
 
 
 @triton.jit
-def _amax(b, axis: tl.constexpr):
-    """The largest magnitude along ``axis``, NaN left out (it stays NaN in the data)."""
-    return tl.max(tl.where(b != b, 0.0, tl.abs(b)), axis=axis)
+def _amax(b, axis: tl.constexpr, SOFTWARE_: tl.constexpr):
+    """The largest magnitude along ``axis``, NaN left out (it stays NaN in the data): the GPU's
+    max.f32 returns the number of a number and NaN; the interpreter's propagates NaN."""
+    if SOFTWARE_:
+        b = tl.where(b != b, 0.0, b)
+    return tl.max(tl.abs(b), axis=axis)
 
 
 @triton.jit
@@ -79,10 +83,10 @@ def _e4m3_bits(v):
 
 @triton.jit
 def _e4m3(v, SOFTWARE_: tl.constexpr):
-    """fp32 ``v`` (|v| <= 448 or NaN) as stored: e4m3, or its code under the interpreter."""
-    v = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v))  # comparisons keep NaN
+    """fp32 ``v`` (|v| at most 448 before rounding, or NaN) as stored: e4m3 (sm_90's conversion
+    saturates at 448 and keeps NaN), or its code under the interpreter."""
     if SOFTWARE_:
-        return _e4m3_bits(v)
+        return _e4m3_bits(tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v)))  # keeps NaN
     return v.to(tl.float8e4nv)
 
 
@@ -103,14 +107,14 @@ def _from_e4m3(b, SOFTWARE_: tl.constexpr):
 @triton.jit
 def _quantized_rows(b, SOFTWARE_: tl.constexpr):
     """``b`` [R, G] in e4m3 (codes under the interpreter), one scale per row."""
-    scale, inverse = _group_scale(_amax(b, 1))
+    scale, inverse = _group_scale(_amax(b, 1, SOFTWARE_))
     return _e4m3(b * inverse[:, None], SOFTWARE_), scale
 
 
 @triton.jit
 def _quantized_columns(b, SOFTWARE_: tl.constexpr):
     """``b`` [BM, W] quantized down its columns, transposed: [W, BM] e4m3, one scale per column."""
-    scale, inverse = _group_scale(_amax(b, 0))
+    scale, inverse = _group_scale(_amax(b, 0, SOFTWARE_))
     return tl.trans(_e4m3(b * inverse[None, :], SOFTWARE_)), scale
 
 
@@ -154,7 +158,9 @@ def _quantize_weight_kernel(
     i_r, i_c = tl.program_id(0), tl.program_id(1)
     b_first = _weight_half(w_desc, i_r, i_c, 0, HALVES, G)
     b_second = _weight_half(w_desc, i_r, i_c, 1, HALVES, G)
-    scale, inverse = _group_scale(tl.maximum(tl.max(_amax(b_first, 1), 0), tl.max(_amax(b_second, 1), 0)))
+    scale, inverse = _group_scale(
+        tl.maximum(tl.max(_amax(b_first, 1, SOFTWARE_), 0), tl.max(_amax(b_second, 1, SOFTWARE_), 0))
+    )
     q_first, q_second = _e4m3(b_first * inverse, SOFTWARE_), _e4m3(b_second * inverse, SOFTWARE_)
     if TRANSPOSED:
         q_desc.store([i_c * G, i_r * G], tl.trans(q_first))
@@ -180,7 +186,7 @@ def _weight_half(w_desc, i_r, i_c, half, HALVES: tl.constexpr, G: tl.constexpr):
 def _store_halves(first, second, desc, s_ptr, o_m, i_g, Mp, G: tl.constexpr, SOFTWARE_: tl.constexpr):
     """Group ``i_g`` of a tensor in halves, [first | second] ([BM, G / 2] each), stored as rows:
     e4m3 and one scale per row."""
-    scale, inverse = _group_scale(tl.maximum(_amax(first, 1), _amax(second, 1)))
+    scale, inverse = _group_scale(tl.maximum(_amax(first, 1, SOFTWARE_), _amax(second, 1, SOFTWARE_)))
     desc.store([o_m, i_g * G], _e4m3(first * inverse[:, None], SOFTWARE_))
     desc.store([o_m, i_g * G + G // 2], _e4m3(second * inverse[:, None], SOFTWARE_))
     tl.store(s_ptr + i_g.to(tl.int64) * Mp + o_m + tl.arange(0, first.shape[0]), scale)
