@@ -331,7 +331,8 @@ def fp8_kernels(target: GPUTarget = SM90):
             scalars |= a_t[1]
         else:
             constants |= dict.fromkeys(("at_desc", "ats_ptr"))
-        kernel = compile_(fp8._glu_forward_kernel, descriptors, scalars, constants, FP8_FORWARD_PASS_WARPS)
+        warps = FP8_FORWARD_PASS_WARPS if save else FP8_PASS_WARPS  # as kernels.glu_forward picks
+        kernel = compile_(fp8._glu_forward_kernel, descriptors, scalars, constants, warps)
         yield f"bfloat16 fp8 SwiGLU pass {Saved(save).name}", f"{g}x{g}", kernel
         if save:
             descriptors = {
@@ -378,6 +379,11 @@ def _tile(cfg: TileConfig) -> str:
 #: Bytes a thread of the routed experts' backward may spill: its [128, 256] tile spills in the
 #: epilogue and measured faster than the [128, 128] one that does not (docs/design/experts.md).
 ROUTED_BACKWARD_SPILL = 1536
+
+
+#: Bytes a thread of the FP8 SwiGLU gradient pass with kept pre-activations may spill: at 4 warps it
+#: spills a little and ran 0.63x its time at 8 warps, which do not spill (H100, round FP8-3).
+FP8_PREACT_GRADIENT_SPILL = 64
 
 
 def _report(label: str, tile: str, r: dict, precision: str, limit: int, spill_limit: int = 0) -> bool:
@@ -522,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             if not _report(label, tile, resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
                 failed.append(label)
     for label, tile, kernel in fp8_kernels(target):
-        if not _report(label, tile, resources(kernel), "tf32", SHARED_LIMIT[args.arch]):
+        allowance = FP8_PREACT_GRADIENT_SPILL if label.endswith("gradient pass PREACT") else 0
+        if not _report(label, tile, resources(kernel), "tf32", SHARED_LIMIT[args.arch], allowance):
             failed.append(label)
     if failed and args.check:
         print(f"{len(failed)} kernel(s) exceed {SHARED_LIMIT[args.arch]} bytes of shared memory or spill")

@@ -301,20 +301,19 @@ def _glu_backward_kernel(  # N: the intermediate size
     i_m, i_g = tl.program_id(0), tl.program_id(1)  # i_g: a group of the packed gradient
     o_m, o_n = i_m * BM, i_g * (G // 2)
     inside = o_n < N  # else a padding group: dA and the kept tensor read as zeros
-    b_da = da_desc.load([o_m, o_n]).to(tl.float32) * down_multiplier
     row_scale = tl.load(ks_ptr + i_g.to(tl.int64) * Mp + o_m + tl.arange(0, BM), mask=inside, other=1.0)
     b_first = _from_e4m3(k_desc.load([o_m, i_g * G]), SOFTWARE_) * row_scale[:, None]
     b_second = _from_e4m3(k_desc.load([o_m, i_g * G + G // 2]), SOFTWARE_) * row_scale[:, None]
-    if SAVE == 1:
-        b_du, b_dg = b_da * b_first, b_da * b_second
-    else:
+    if SAVE == 2:  # pre-activations: the factors, and a^T, before dA takes registers
         b_silu, b_slope = silu_and_slope(b_second * gate_multiplier)
-        b_du, b_dg = b_da * b_silu, b_da * b_first * b_slope * gate_multiplier
+        b_second = b_first * b_slope * gate_multiplier
+        b_a = b_silu * b_first * down_multiplier
+        b_first = b_silu
         if at_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
             if inside:
-                _store_a_t(
-                    b_silu * b_first * down_multiplier, at_desc, ats_ptr, o_m, i_m, o_n, N, G, SOFTWARE_
-                )
+                _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, o_n, N, G, SOFTWARE_)
+    b_da = da_desc.load([o_m, o_n]).to(tl.float32) * down_multiplier
+    b_du, b_dg = b_da * b_first, b_da * b_second
     if g_desc is not None:
         _store_halves(b_du, b_dg, g_desc, gs_ptr, o_m, i_g, Mp, G, SOFTWARE_)
     if gt_desc is not None:  # noqa: SIM102
@@ -433,7 +432,7 @@ def glu_forward(
         BM=GROUP,
         G=GROUP,
         SOFTWARE_=SOFTWARE,
-        num_warps=warps or FP8_FORWARD_PASS_WARPS,
+        num_warps=warps or (FP8_FORWARD_PASS_WARPS if save else FP8_PASS_WARPS),
     )
     return a, (at if save == 1 else None), (kept if save else None)
 

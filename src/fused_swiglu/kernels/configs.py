@@ -162,11 +162,11 @@ def routed_backward_is_warp_specialized(
     )
 
 
-#: Warps per program of the FP8 path's passes (fp8/kernels.py), [128, 128] tiles: at 4 they spill on
-#: sm_90; the SwiGLU forward pass, which holds half its tile while it makes the other half, spills
-#: at 8 in training (python -m fused_swiglu.bench.resources).
-FP8_PASS_WARPS = 8
-FP8_FORWARD_PASS_WARPS = 16
+#: Warps per program of the FP8 path's passes (fp8/kernels.py): 4 (more programs per SM), the
+#: fastest of 4, 8 and 16 for every pass on an H100 (docs/benchmarks/fp8/results.md, round FP8-3);
+#: 8 for the SwiGLU forward pass in training, which spills at 4 and ran within 2% of it at 8.
+FP8_PASS_WARPS = 4
+FP8_FORWARD_PASS_WARPS = 8
 
 
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
