@@ -3,21 +3,24 @@ defines what they write; it is their reference):
 
 * ``quantize_activation``: x or dY [M, F] -> rows [Mp, F] for the GEMM that reduces over F and,
   from the same tile, rows of the transpose [F, Mp] for the weight gradient that reduces over tokens;
-* ``quantize_weight``: a weight [R, C] -> 128 x 128 blocks, as it is or transposed;
-* ``glu_forward``: the gate/up GEMM's output [Mp, 2I] (packed) -> ``a`` as rows for the down GEMM
-  and what training keeps (factors or pre-activations, packed, as rows), with the factors also
-  ``a``'s transpose as rows for dW_down, all in FP8;
-* ``glu_backward``: dA [Mp, I] and the kept tensor -> the packed gradient [dU | dG] as rows for dX
-  and its transpose as rows for dW_gate_up, and from kept pre-activations ``a``'s transpose (the
-  forward did not keep it: I bytes a token less, for a pass that reads the same bytes).
+* ``quantize_weight``: a weight [R, C] -> 128 x 128 blocks, as it is or transposed; the packed
+  gate/up weight's rows read in halves (format.py), so that the gate/up GEMM writes h in halves;
+* ``glu_forward``: the gate/up GEMM's output h [Mp, 2I] in halves -> ``a`` as rows for the down
+  GEMM and what training keeps (factors or pre-activations, in halves, as rows), with the factors
+  also ``a``'s transpose as rows for dW_down, all in FP8;
+* ``glu_backward``: dA [Mp, I] and the kept tensor -> the packed gradient [dU | dG] in halves as
+  rows for dX and its transpose, in the weight's packing, as rows for dW_gate_up, and from kept
+  pre-activations ``a``'s transpose (the forward did not keep it: I bytes a token less, for a pass
+  that reads the same bytes).
 
 A tile is 128 rows (one group of tokens) by one group of columns, so each tile finds its own
-scales. Tiles move through TMA descriptors: no pointer per element in registers (a [128, 128] tile
-stored through pointers spilled on sm_90), reads past a tensor's edge are zeros (the padding rows
-and columns) and writes past it are dropped. Under Triton's interpreter (CPU tests), which rounds
-to e4m3 wrongly (triton 3.6: ties away from even, 127 to 64, NaN to 384) and reads NaN codes as
-480, the kernels encode and decode e4m3 in integer arithmetic and store bytes (``SOFTWARE``), to
-the same result as the GPU's conversion (round to nearest even).
+scales; up and gate come and go as two [128, 64] tiles of a group in halves, so nothing is
+de-interleaved in registers. Tiles move through TMA descriptors: no pointer per element in registers
+(a [128, 128] tile stored through pointers spilled on sm_90), reads past a tensor's edge are zeros
+(the padding rows and columns) and writes past it are dropped. Under Triton's interpreter (CPU
+tests), which rounds to e4m3 wrongly (triton 3.6: ties away from even, 127 to 64, NaN to 384) and
+reads NaN codes as 480, the kernels encode and decode e4m3 in integer arithmetic and store bytes
+(``SOFTWARE``), to the same result as the GPU's conversion (round to nearest even).
 """
 
 from __future__ import annotations
