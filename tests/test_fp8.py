@@ -105,11 +105,13 @@ def test_reference_quantizers_round_to_nearest_even_within_a_group():
 
 
 def _awkward(m: int, f: int, dtype, device) -> torch.Tensor:
-    """Gaussian rows spanning eight decades, with a row of zeros, a NaN, an Inf and a subnormal."""
+    """Gaussian rows spanning eight decades, with a row of zeros, a NaN, an Inf, a subnormal and a
+    group of NaN only (scale 1, as a group of zeros)."""
     t = torch.randn(m, f) * torch.logspace(-4, 4, f)
-    if m > 12:
+    if m > 13:
         t[9] = 0
         t[5, 7], t[11, 3], t[12, 4] = float("nan"), float("inf"), 1e-40
+        t[13, :GROUP] = float("nan")
     return t.to(device=device, dtype=dtype)
 
 
@@ -124,6 +126,8 @@ def test_activation_quantizer_matches_the_reference(device, precision, m):
     assert_same_fp8(got_t, quantize_rows(padded.t()))
     assert (_codes(got.data[m:]) == 0).all() and (got.scales[:, m:] == 1).all()  # padding rows: zeros
     assert width == 512 and (_codes(got.data[:, 384:]) == 0).all() and (got.scales[3:] == 1).all()
+    if m > 13:  # the group of NaN only: NaN codes, scale 1
+        assert (_codes(got.data[13, :GROUP]) & 0x7F == 0x7F).all() and got.scales[0, 13] == 1
     got_rows_only, none = kernels.quantize_activation(x, rows, transposed=False, width=width)
     assert none is None
     assert_same_fp8(got_rows_only, got)
