@@ -299,12 +299,12 @@ def fp8_kernels(target: GPUTarget = SM90):
         name = str(dtype).removeprefix("torch.")
         yield f"{name} fp8 quantize activation{' and transpose' if transposed else ''}", f"{g}x{g}", kernel
         for halves in (False, True):
-            w_block = [8, 8, g] if halves else [g // 2, g]
+            w_block = [g // 2 // CHUNK, CHUNK, g] if halves else [g // 2, g]
             descriptors = {
                 "w_desc": _descriptor_type(w_block, dtype),
                 "q_desc": e4m3.format(*((g, g // 2) if transposed else (g // 2, g))),
             }
-            constants = {"TRANSPOSED": transposed, "HALVES": halves, **shared}
+            constants = {"TRANSPOSED": transposed, "HALVES": halves, "CHUNK_": CHUNK, **shared}
             kernel = compile_(fp8._quantize_weight_kernel, descriptors, {"s_ptr": "*fp32"}, constants)
             what = f"{' transposed' if transposed else ''}{' in halves' if halves else ''}"
             yield f"{name} fp8 quantize weight{what}", f"{g}x{g}", kernel
@@ -341,11 +341,11 @@ def fp8_kernels(target: GPUTarget = SM90):
             }
             descriptors |= {
                 "g_desc": e4m3.format(g, g // 2),
-                "gt_desc": _descriptor_type([8, 8, g], torch.float8_e4m3fn),
+                "gt_desc": _descriptor_type([g // 2 // CHUNK, CHUNK, g], torch.float8_e4m3fn),
             }
             scalars = {"ks_ptr": "*fp32", "gs_ptr": "*fp32", "gts_ptr": "*fp32", "Mp": "i32", "N": "i32"}
             scalars |= {"gate_multiplier": "fp32", "down_multiplier": "fp32"}
-            constants = {"SAVE": save, "BM": g, **shared}
+            constants = {"SAVE": save, "BM": g, "CHUNK_": CHUNK, **shared}
             if save == 2:
                 descriptors |= a_t[0]
                 scalars |= a_t[1]

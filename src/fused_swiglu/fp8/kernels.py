@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.common import (
+    CHUNK,
     cdiv,
     descriptor,
     empty,
@@ -150,17 +151,18 @@ def _quantize_activation_kernel(
 
 @triton.jit
 def _quantize_weight_kernel(
-    w_desc,  # [R, C], tiles [G / 2, G]; the gate/up weight (HALVES): [I / 8, 16, C], tiles [8, 8, G]
+    w_desc,  # [R, C], tiles [G / 2, G]; the gate/up weight (HALVES): in chunk pairs (_chunk_pairs)
     q_desc,  # [R', Cp] tiles [G / 2, G], or [C, Rp] tiles [G, G / 2] transposed: R' = halves_width(I)
     s_ptr,  # [R' / G, Cp / G], or [C / G, Rp / G] transposed
     TRANSPOSED: tl.constexpr,
     HALVES: tl.constexpr,  # the packed gate/up weight, its rows read in halves (format.py)
     G: tl.constexpr,
+    CHUNK_: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
     i_r, i_c = tl.program_id(0), tl.program_id(1)
-    b_first = _weight_half(w_desc, i_r, i_c, 0, HALVES, G)
-    b_second = _weight_half(w_desc, i_r, i_c, 1, HALVES, G)
+    b_first = _weight_half(w_desc, i_r, i_c, 0, HALVES, G, CHUNK_)
+    b_second = _weight_half(w_desc, i_r, i_c, 1, HALVES, G, CHUNK_)
     scale, inverse = _group_scale(
         tl.maximum(tl.max(_amax(b_first, 1, SOFTWARE_), 0), tl.max(_amax(b_second, 1, SOFTWARE_), 0))
     )
@@ -176,10 +178,11 @@ def _quantize_weight_kernel(
 
 
 @triton.jit
-def _weight_half(w_desc, i_r, i_c, half, HALVES: tl.constexpr, G: tl.constexpr):
+def _weight_half(w_desc, i_r, i_c, half, HALVES: tl.constexpr, G: tl.constexpr, CHUNK_: tl.constexpr):
     """Rows [G / 2, G] of block (i_r, i_c): of the packed gate/up weight, one half of group i_r."""
-    if HALVES:  # the layout's chunks of 8 rows, [up | gate] in pairs: one half is every other chunk
-        b = tl.reshape(w_desc.load([i_r * (G // 16), half * 8, i_c * G]), (G // 2, G))
+    if HALVES:  # the layout's chunks, [up | gate] in pairs: one half is every other chunk
+        b = w_desc.load([i_r * (G // (2 * CHUNK_)), half * CHUNK_, i_c * G])
+        b = tl.reshape(b, (G // 2, G))
     else:
         b = w_desc.load([i_r * G + half * (G // 2), i_c * G])
     return b.to(tl.float32)
@@ -198,7 +201,7 @@ def _store_halves(first, second, desc, s_ptr, o_m, i_g, Mp, G: tl.constexpr, SOF
 @triton.jit
 def _store_transposed(b, desc, offsets, s_row, columns, mask, SOFTWARE_: tl.constexpr):
     """``b`` [BM, G / 2] stored transposed, as rows: the tile at ``offsets`` of ``desc`` ([G / 2, BM],
-    or the same split as [8, 8, BM]), and its columns' scales at ``s_row + columns``."""
+    or the same split in chunks), and its columns' scales at ``s_row + columns``."""
     q_t, scale_t = _quantized_columns(b, SOFTWARE_)
     desc.store(offsets, tl.reshape(q_t, desc.block_shape))
     tl.store(s_row + columns, scale_t, mask=mask)
@@ -288,7 +291,7 @@ def _glu_backward_kernel(  # N: the intermediate size
     ks_ptr,  # [halves_width(N) / G, Mp]
     g_desc,  # [Mp, Wp] e4m3 [dU | dG] in halves, zeros up to dX's reduction width Wp; or None
     gs_ptr,  # [Wp / G, Mp]
-    gt_desc,  # [2N, Mp] e4m3 in the weight's packing, as [N / 8, 16, Mp], tiles [8, 8, BM]; or None
+    gt_desc,  # [2N, Mp] e4m3 in the weight's packing, in chunk pairs (_chunk_pairs); or None
     gts_ptr,  # [Mp / G, 2N]
     at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]: a's transpose from the kept pre-activations; or None
     ats_ptr,  # [Mp / G, N]
@@ -299,6 +302,7 @@ def _glu_backward_kernel(  # N: the intermediate size
     SAVE: tl.constexpr,
     BM: tl.constexpr,
     G: tl.constexpr,
+    CHUNK_: tl.constexpr,
     SOFTWARE_: tl.constexpr,
 ):
     i_m, i_g = tl.program_id(0), tl.program_id(1)  # i_g: a group of the packed gradient
@@ -322,10 +326,11 @@ def _glu_backward_kernel(  # N: the intermediate size
     if gt_desc is not None:  # noqa: SIM102
         if inside:  # dU's and dG's rows of the transpose in the weight's packing: alternate chunks of 8
             o_c = o_n + tl.arange(0, G // 2)
-            packed = (o_c // 8) * 16 + o_c % 8
+            packed = (o_c // CHUNK_) * (2 * CHUNK_) + o_c % CHUNK_
             s_row = gts_ptr + i_m.to(tl.int64) * (2 * N)
-            _store_transposed(b_du, gt_desc, [i_g * (G // 16), 0, o_m], s_row, packed, o_c < N, SOFTWARE_)
-            _store_transposed(b_dg, gt_desc, [i_g * (G // 16), 8, o_m], s_row, packed + 8, o_c < N, SOFTWARE_)
+            pair = i_g * (G // (2 * CHUNK_))
+            _store_transposed(b_du, gt_desc, [pair, 0, o_m], s_row, packed, o_c < N, SOFTWARE_)
+            _store_transposed(b_dg, gt_desc, [pair, CHUNK_, o_m], s_row, packed + CHUNK_, o_c < N, SOFTWARE_)
 
 
 _launch_quantize_activation = KernelLauncher(_quantize_activation_kernel, descriptor)
@@ -341,6 +346,14 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
 
 def _tma(t: torch.Tensor | None, block: tuple[int, int]) -> Tma | None:
     return None if t is None else Tma(_stored(t) if t.dtype == E4M3 else t, block)
+
+
+def _chunk_pairs(t: torch.Tensor) -> Tma:
+    """A tensor [2I, C] in the weight's packing (layout.py) as [I / CHUNK, 2 * CHUNK, C], each row of
+    chunks an up chunk then a gate chunk, with tiles of one half of a group in halves: every other
+    chunk, [HALF / CHUNK, CHUNK, GROUP]."""
+    rows, cols = t.shape
+    return Tma(t.view(rows // (2 * CHUNK), 2 * CHUNK, cols), (HALF // CHUNK, CHUNK, GROUP))
 
 
 def quantize_activation(
@@ -383,7 +396,7 @@ def quantize_weight(w: torch.Tensor, transposed: bool, halves: bool = False, war
     shape = (c, rp) if transposed else (rows, cp)
     q = empty(shape, w, E4M3)
     s = empty((cdiv(shape[0], GROUP), shape[1] // GROUP), w, torch.float32)
-    source = Tma(w.view(r // 16, 16, c), (8, 8, GROUP)) if halves else _tma(w, (HALF, GROUP))
+    source = _chunk_pairs(w) if halves else _tma(w, (HALF, GROUP))
     _launch_quantize_weight(
         (cdiv(rp, GROUP), cdiv(cp, GROUP)),
         source,
@@ -392,6 +405,7 @@ def quantize_weight(w: torch.Tensor, transposed: bool, halves: bool = False, war
         TRANSPOSED=transposed,
         HALVES=halves,
         G=GROUP,
+        CHUNK_=CHUNK,
         SOFTWARE_=SOFTWARE,
         num_warps=warps or FP8_PASS_WARPS,
     )
@@ -478,7 +492,7 @@ def glu_backward(
         kept.scales,
         _tma(grad.data, (GROUP, HALF)),
         grad.scales,
-        None if grad_t.data is None else Tma(_stored(grad_t.data).view(inter // 8, 16, mp), (8, 8, GROUP)),
+        None if grad_t.data is None else _chunk_pairs(_stored(grad_t.data)),
         grad_t.scales,
         _tma(at.data, (HALF, GROUP)),
         at.scales,
@@ -489,6 +503,7 @@ def glu_backward(
         SAVE=save,
         BM=GROUP,
         G=GROUP,
+        CHUNK_=CHUNK,
         SOFTWARE_=SOFTWARE,
         num_warps=warps or FP8_PASS_WARPS,
     )
