@@ -261,26 +261,14 @@ def _glu_forward_kernel(  # N: the intermediate size
     # A program makes one group of a's rows (G intermediate columns) from two groups of h.
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM
-    multipliers = (gate_multiplier, down_multiplier)
     b_lo = _glu_group(
-        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n, Mp, N, *multipliers, SAVE, G, SOFTWARE_
-    )
+        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n, Mp, N,
+        gate_multiplier, down_multiplier, SAVE, G, SOFTWARE_,
+    )  # fmt: skip
     b_hi = _glu_group(
-        h_desc,
-        k_desc,
-        ks_ptr,
-        at_desc,
-        ats_ptr,
-        o_m,
-        i_m,
-        2 * i_n + 1,
-        Mp,
-        N,
-        *multipliers,
-        SAVE,
-        G,
-        SOFTWARE_,
-    )
+        h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n + 1, Mp, N,
+        gate_multiplier, down_multiplier, SAVE, G, SOFTWARE_,
+    )  # fmt: skip
     _store_halves(b_lo, b_hi, a_desc, as_ptr, o_m, i_n, Mp, G, SOFTWARE_)
 
 
@@ -308,23 +296,24 @@ def _glu_backward_kernel(  # N: the intermediate size
     i_m, i_g = tl.program_id(0), tl.program_id(1)  # i_g: a group of the packed gradient
     o_m, o_n = i_m * BM, i_g * (G // 2)
     inside = o_n < N  # else a padding group: dA and the kept tensor read as zeros
+    b_da = da_desc.load([o_m, o_n]).to(tl.float32) * down_multiplier
     row_scale = tl.load(ks_ptr + i_g.to(tl.int64) * Mp + o_m + tl.arange(0, BM), mask=inside, other=1.0)
     b_first = _from_e4m3(k_desc.load([o_m, i_g * G]), SOFTWARE_) * row_scale[:, None]
     b_second = _from_e4m3(k_desc.load([o_m, i_g * G + G // 2]), SOFTWARE_) * row_scale[:, None]
-    if SAVE == 2:  # pre-activations: the factors, and a^T, before dA takes registers
+    if SAVE == 1:
+        b_du, b_dg = b_da * b_first, b_da * b_second
+    else:
         b_silu, b_slope = silu_and_slope(b_second * gate_multiplier)
-        b_second = b_first * b_slope * gate_multiplier
-        b_a = b_silu * b_first * down_multiplier
-        b_first = b_silu
+        b_du, b_dg = b_da * b_silu, b_da * b_first * b_slope * gate_multiplier
         if at_desc is not None:  # noqa: SIM102 - a compile-time branch around a run-time one
             if inside:
-                _store_a_t(b_a, at_desc, ats_ptr, o_m, i_m, o_n, N, G, SOFTWARE_)
-    b_da = da_desc.load([o_m, o_n]).to(tl.float32) * down_multiplier
-    b_du, b_dg = b_da * b_first, b_da * b_second
+                _store_a_t(
+                    b_silu * b_first * down_multiplier, at_desc, ats_ptr, o_m, i_m, o_n, N, G, SOFTWARE_
+                )
     if g_desc is not None:
         _store_halves(b_du, b_dg, g_desc, gs_ptr, o_m, i_g, Mp, G, SOFTWARE_)
     if gt_desc is not None:  # noqa: SIM102
-        if inside:  # dU's and dG's rows of the transpose in the weight's packing: alternate chunks of 8
+        if inside:  # dU's and dG's rows of the transpose in the weight's packing: alternate chunks
             o_c = o_n + tl.arange(0, G // 2)
             packed = (o_c // CHUNK_) * (2 * CHUNK_) + o_c % CHUNK_
             s_row = gts_ptr + i_m.to(tl.int64) * (2 * N)
