@@ -6,6 +6,7 @@ against float64, on Gaussian inputs and with outlier channels; autocast, compile
 swap and the errors. On CPU the kernels run under the Triton interpreter (the GEMMs emulated), on a
 GPU as they run for users (cuBLAS's blockwise-scaled GEMMs)."""
 
+import copy
 import math
 
 import pytest
@@ -361,6 +362,51 @@ def test_fp8_step_with_outlier_channels(device, outliers):
         assert sqnr(want, exact) >= OUTLIER_SQNR_DB, name
 
 
+def _low_rank_problem(shape, dtype, device, rank=8):
+    m, _, inter = shape
+    u = torch.randn(m, rank)
+    v = torch.randn(2 * inter, rank) * rank**-0.5  # u v^T as large as x W^T
+    da = torch.randn(m, inter)
+    return tuple(t.to(device=device, dtype=dtype) for t in (u, v, da))
+
+
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("save", ["factors", "preact"])
+def test_fp8_step_with_lora_terms_is_the_recipe(device, precision, save):
+    """LoRA's terms beside the FP8 GEMMs (fp8_mlp_with_adapters): u v^T in h, ``a`` returned as the
+    down GEMM reads it and its gradient joined to dA; y, a and the five gradients equal the recipe
+    in PyTorch and are as accurate against float64 as it is."""
+    from fused_swiglu.functional import fp8_mlp_with_adapters
+
+    size = (200, 256, 384)
+    x, w_gate_up, w_down, dy = _problem(size, precision, device)
+    u, v, da = _low_rank_problem(size, precision, device)
+    multipliers = {"gate_multiplier": 0.8, "down_multiplier": 1.25}
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, u, v)]
+    y, a = fp8_mlp_with_adapters(*leaves[:3], tuple(leaves[3:]), True, **multipliers, save=save)
+    torch.autograd.backward((y, a), (dy, da))
+    kept = 1 if save == "factors" else 2
+    want_y, want_a, want_grads = fp8_reference.swiglu_mlp_fp8_adapted(
+        x, w_gate_up, w_down, dy, **multipliers, save=kept, low_rank=(u, v), da=da
+    )
+    exact = [t.detach().double().requires_grad_() for t in (x, w_gate_up, w_down, u, v)]
+    exact_a = 1.25 * fused_swiglu.swiglu_linear(exact[0], exact[1], gate_multiplier=0.8, low_rank=exact[3:])
+    exact_y = exact_a @ exact[2].t()
+    torch.autograd.backward((exact_y, exact_a), (dy.double(), da.double()))
+    bound = recipe_bound(precision, device)
+    for name, got, want, best in zip(
+        ("y", "a", "dx", "dw_gate_up", "dw_down", "du", "dv"),
+        (y, a, *(t.grad for t in leaves)),
+        (want_y, want_a, *want_grads),
+        (exact_y, exact_a, *(t.grad for t in exact)),
+        strict=True,
+    ):
+        assert got.dtype == precision and got.shape == best.shape, name
+        assert relative_error(got, want) <= bound, name
+        assert sqnr(got, best) >= min(sqnr(want, best) - 0.1, RECIPE_SQNR_DB), name
+        assert sqnr(want, best) >= RECIPE_SQNR_DB, name
+
+
 def test_fp8_under_autocast_keeps_each_dtype(device):
     """fp32 master weights under bf16 autocast: quantized from fp32, the output in bf16, each
     gradient in its leaf's dtype, equal to the same step with the weights cast by hand."""
@@ -417,6 +463,33 @@ def test_fp8_compiles_to_one_graph_that_matches_eager(device):
     assert torch.equal(y, want_y)
     for leaf, want in zip(leaves, want_grads, strict=True):
         assert torch.equal(leaf.grad, want)
+
+
+def test_fp8_with_lora_terms_compiles_to_one_graph_that_matches_eager(device):
+    from torch._dynamo.utils import counters
+
+    from fused_swiglu.functional import fp8_mlp_with_adapters
+
+    size = (200, 256, 256)
+    x, w_gate_up, w_down, dy = _problem(size, torch.bfloat16, device)
+    u, v, da = _low_rank_problem(size, torch.bfloat16, device)
+
+    def step(*leaves):
+        return fp8_mlp_with_adapters(
+            *leaves[:3], leaves[3:], True, gate_multiplier=1.0, down_multiplier=1.0, save="factors"
+        )
+
+    results = []
+    for run in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        torch._dynamo.reset()
+        counters.clear()
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, u, v)]
+        y, a = run(*leaves)
+        torch.autograd.backward((y, a), (dy, da))
+        results.append((y, a, *(t.grad for t in leaves)))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_fp8_ops_pass_opcheck(device):
@@ -483,6 +556,44 @@ def test_swap_with_fp8_trains_a_llama(device):
         p.grad is not None and torch.isfinite(p.grad).all() for p in fused.parameters() if p.requires_grad
     )
     assert set(fused.state_dict()) == set(stock.state_dict())
+
+
+def test_lora_adapters_on_fp8_mlps(device, monkeypatch, caplog):
+    """PEFT's adapters on every projection, then the swap with fp8=True: each MLP runs its FP8 step
+    with its adapters beside it (nothing said of 16 bits), the logits and every adapter's gradient
+    as close to stock PEFT's as the recipe's own noise, and the adapters count (switched off, the
+    logits move by far more than that)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from fused_swiglu.fp8.ops import SwiGLUMLPFp8Function
+
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    stock = peft.get_peft_model(transformers.LlamaForCausalLM(_small_llama_config(transformers)), lora)
+    stock = stock.to(device)
+    fused = copy.deepcopy(stock)
+    calls = []
+    apply = SwiGLUMLPFp8Function.apply
+    monkeypatch.setattr(SwiGLUMLPFp8Function, "apply", lambda *args: calls.append(args[-1]) or apply(*args))
+    ids = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    with caplog.at_level("WARNING", logger="fused_swiglu"):
+        assert len(swap_swiglu_mlps(fused, fp8=True)) == 2
+        results = []
+        for model in (stock, fused):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            results.append((out.logits.detach(), grads))
+    assert calls == [True, True] and "16 bits" not in caplog.text  # with a for down's adapters
+    (logits, grads), (fused_logits, fused_grads) = results
+    assert fused_grads.keys() == grads.keys() and len([n for n in grads if ".mlp." in n]) == 2 * 3 * 2
+    # Two FP8 MLPs' noise reaches every adapter's gradient (18.6-28.7 dB here; the recipe's own
+    # floor with outliers is OUTLIER_SQNR_DB); adapters dropped or a gradient lost costs 0 dB or less.
+    assert sqnr(fused_logits, logits) >= RECIPE_SQNR_DB
+    for name, grad in grads.items():
+        assert sqnr(fused_grads[name], grad) >= OUTLIER_SQNR_DB, name
+    with fused.disable_adapter(), torch.no_grad():
+        assert sqnr(fused(input_ids=ids).logits, logits) < 0
 
 
 def test_fp8_mlps_beside_torchaos_float8_linears(device, caplog):

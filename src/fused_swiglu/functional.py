@@ -182,7 +182,9 @@ def swiglu_mlp(
     if check_fp8(fp8, hidden, gate_up_weight.shape[0] // 2) and _takes_fp8(x2d, save):
         # The weights are quantized from their own dtype; the output is in x's (the autocast dtype).
         if _needs_autograd(x2d, gate_up_weight, down_weight):
-            y = SwiGLUMLPFp8Function.apply(x2d, gate_up_weight, down_weight, *scalars, save, x2d.dtype)
+            y = SwiGLUMLPFp8Function.apply(
+                x2d, gate_up_weight, down_weight, None, None, *scalars, save, x2d.dtype, False
+            )
             return y if x.dim() == 2 else y.reshape(x.shape)
         if not inference_uses_cublas(x2d.shape[0]):
             y = fp8_mlp_inference(x2d, gate_up_weight, down_weight, *scalars, x2d.dtype)
@@ -207,6 +209,46 @@ def swiglu_mlp(
                 down_multiplier=down_multiplier,
             )
     return y if x.dim() == 2 else y.reshape(x.shape)  # y's last dim is hidden, as x's
+
+
+def fp8_mlp_with_adapters(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None,
+    with_a: bool,
+    *,
+    gate_multiplier: float,
+    down_multiplier: float,
+    save: str,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The FP8 MLP with LoRA's terms (an ``fp8=True`` module with adapters, lora.py): ``low_rank``
+    added to the packed pre-activation as ``swiglu_linear`` adds it, and with ``with_a`` also ``a``
+    as the down GEMM reads it, for the down projection's adapters (fp8/ops.py). Returns ``(y, a)``
+    (``a`` None without ``with_a``), or None where the FP8 path does not take the call (then the
+    adapters run in 16 bits)."""
+    compute_dtype = autocast_dtype(x)
+    x = cast_for_autocast(x, compute_dtype)
+    _validate(x, gate_up_weight, down_weight, compute_dtype)
+    hidden = gate_up_weight.shape[1]
+    x2d = x if x.dim() == 2 else x.reshape(-1, hidden)
+    if not (check_fp8(True, hidden, gate_up_weight.shape[0] // 2) and _takes_fp8(x2d, save)):
+        return None
+    u = v = None
+    if low_rank is not None:
+        u, v = _low_rank_2d(x, gate_up_weight, *(cast_for_autocast(t, compute_dtype) for t in low_rank))
+    scalars = (
+        _check_multiplier("gate_multiplier", gate_multiplier),
+        _check_multiplier("down_multiplier", down_multiplier),
+    )
+    out = SwiGLUMLPFp8Function.apply(
+        x2d, gate_up_weight, down_weight, u, v, *scalars, save, x2d.dtype, with_a
+    )
+    y, a = out if with_a else (out, None)
+    if x.dim() != 2:
+        y = y.reshape(x.shape)
+        a = None if a is None else a.reshape(*x.shape[:-1], a.shape[-1])
+    return y, a
 
 
 def check_fp8(fp8, hidden: int, intermediate: int) -> bool:

@@ -13,6 +13,9 @@ so ``u @ v^T`` is exactly what the adapters add to gate and up. Autograd takes t
 A, B and dropout from dU and dV. Parameter names and state-dict keys stay PEFT's, so adapters save
 in PEFT's format and load onto a stock base model.
 
+In an ``fp8=True`` module the adapters stay in 16 bits beside the FP8 GEMMs: gate's and up's the same
+low-rank term of h, down's on ``a`` as the FP8 down GEMM reads it (``adapter_output``; fp8/ops.py).
+
 Layers are recognised by what PEFT's LoRA layers have (``lora_A``, ``lora_B``, ``scaling``,
 ``base_layer``); variants the fused forward does not compute (DoRA and other variants, LoRA biases,
 merged weights, non-Linear bases) are refused by name.
@@ -73,6 +76,22 @@ def low_rank_term(x: torch.Tensor, gate: nn.Module | None, up: nn.Module | None,
     if not columns:
         return None
     return torch.cat(columns, dim=-1), pack_gate_up(torch.cat(gate_rows, dim=1), torch.cat(up_rows, dim=1))
+
+
+def has_active_adapters(layer: nn.Module | None) -> bool:
+    return bool(_active(layer))
+
+
+def adapter_output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """What the active adapters of ``layer`` add to its base layer's output for input ``x``, as
+    PEFT's LoRA forward adds it (None where none is active): the down projection's adapters of an
+    FP8 module, whose base GEMM runs in the FP8 path."""
+    total = None
+    for name in _active(layer):
+        a, b = layer.lora_A[name], layer.lora_B[name]
+        term = b(a(layer.lora_dropout[name](x.to(a.weight.dtype)))) * layer.scaling[name]
+        total = term if total is None else total + term
+    return None if total is None else total.to(x.dtype)
 
 
 class PackedBase(nn.Module):

@@ -24,11 +24,12 @@ from .functional import (
     SaveMode,
     check_fp8,
     check_save_mode,
+    fp8_mlp_with_adapters,
     swiglu_linear,
     swiglu_mlp,
 )
 from .layout import check_intermediate_size, pack_gate_up, unpack_gate_up
-from .lora import PackedBase, is_lora_layer, low_rank_term
+from .lora import PackedBase, adapter_output, base_of, has_active_adapters, is_lora_layer, low_rank_term
 from .mlp_layouts import CHECKPOINT_KEYS, CheckpointKeys, check_swiglu_mlp, gate_up_weights, multiplier_of
 
 _PACKED, _STACKED = "gate_up_proj", "gate_up_proj.weight"
@@ -156,12 +157,13 @@ def _warn_adapters_after_swap(mlp: nn.Module) -> None:
 
 
 def _warn_fp8_not_taken(mlp: nn.Module) -> None:
-    """An FP8 module with adapters or a wrapped down projection runs in 16 bits: said once."""
+    """An FP8 module whose down projection is not an nn.Linear (or LoRA's over one) runs in 16 bits:
+    said once."""
     if not getattr(mlp, "_warned_fp8_not_taken", False):
         mlp._warned_fp8_not_taken = True
         logging.getLogger("fused_swiglu").warning(
-            "fused_swiglu: this MLP has fp8=True but LoRA adapters or a down projection other than "
-            "nn.Linear (%s): it runs in 16 bits, the adapters and the down projection as they are.",
+            "fused_swiglu: this MLP has fp8=True but a down projection other than nn.Linear or a LoRA "
+            "layer over one (%s): it runs in 16 bits, the down projection as it is.",
             type(mlp._modules["down_proj"]).__name__,
         )
 
@@ -173,7 +175,8 @@ def fused_forward(
     its gate and up weights packed in ``gate_up_weight``: one fused call (in FP8 with ``fp8``), or
     with adapters (lora.py) or a down projection wrapped after the swap, the GLU operator with the
     gate and up adapters in its GEMM and the down projection run as the module it is, so that
-    nothing it adds is bypassed (in 16 bits: the FP8 path is the whole MLP's)."""
+    nothing it adds is bypassed. In FP8 the adapters join the FP8 MLP (``fp8_mlp_with_adapters``);
+    another down projection than LoRA's over an nn.Linear runs the module in 16 bits."""
     gate_multiplier = multiplier_of(mlp, "gate_multiplier")
     down_multiplier = multiplier_of(mlp, "down_multiplier")
     submodules = mlp._modules  # read directly: a missing name through getattr costs a raised error
@@ -191,7 +194,17 @@ def fused_forward(
         raise TypeError("fused_swiglu: a tensor-parallel SwiGLUMLP runs without adapters on its projections")
     if low_rank is None and is_lora_layer(down) and not torch.compiler.is_compiling():
         _warn_adapters_after_swap(mlp)
-    if fp8 and not torch.compiler.is_compiling():
+    if fp8 and type(base_of(down)) is nn.Linear:
+        multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
+        with_a = has_active_adapters(down)
+        taken = fp8_mlp_with_adapters(
+            x, gate_up_weight, base_of(down).weight, low_rank, with_a, **multipliers, save=save
+        )
+        if taken is not None:
+            y, a = taken
+            extra = None if a is None else adapter_output(down, a)  # a carries down_multiplier
+            return y if extra is None else y + extra
+    elif fp8 and not torch.compiler.is_compiling():
         _warn_fp8_not_taken(mlp)
     linear_save = "recompute" if save == "recompute" else "factors"
     a = swiglu_linear(x, gate_up_weight, gate_multiplier=gate_multiplier, save=linear_save, low_rank=low_rank)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.common import cdiv
+from ..layout import pack_gate_up, unpack_gate_up
 
 #: Elements per scale along a GEMM's reduction dimension (and the weight blocks' side).
 GROUP = 128
@@ -88,6 +89,19 @@ def unpack_halves(packed: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch
     """The inverse of ``pack_halves``: (first, second), each [M, inter]."""
     grouped = packed.view(packed.shape[0], -1, 2, HALF)
     return tuple(grouped[:, :, i].reshape(packed.shape[0], -1)[:, :inter] for i in (0, 1))
+
+
+def gate_up_in_halves(w: torch.Tensor) -> torch.Tensor:
+    """Rows in the weight's packing [2I, R] (the gate/up weight, a low-rank term's v) -> the same rows
+    in halves [halves_width(I), R]: the order of h and of everything the passes make from it."""
+    gate, up = unpack_gate_up(w)
+    return pack_halves(up.t(), gate.t()).t()
+
+
+def gate_up_from_halves(t: torch.Tensor, inter: int) -> torch.Tensor:
+    """The inverse of ``gate_up_in_halves``: [halves_width(I), R] -> [2I, R] in the weight's packing."""
+    up, gate = unpack_halves(t.t().contiguous(), inter)
+    return pack_gate_up(gate.t(), up.t())
 
 
 def group_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

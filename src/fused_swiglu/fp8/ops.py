@@ -30,7 +30,17 @@ from ..kernels.plans import planned
 from ..library import define
 from ..ops import _empty_if_none, _on_tensor_device, _refuse_double_backward
 from . import kernels
-from .format import GROUP, Fp8, halves_width, mm, padded_rows, reduction_width
+from .format import (
+    GROUP,
+    Fp8,
+    dequantize,
+    gate_up_from_halves,
+    gate_up_in_halves,
+    halves_width,
+    mm,
+    padded_rows,
+    reduction_width,
+)
 
 #: What training keeps, by save mode, as the passes' constexpr (0: nothing, inference).
 KEPT = {"factors": 1, "preact": 2}
@@ -191,46 +201,61 @@ def mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multip
 class SwiGLUMLPFp8Function(torch.autograd.Function):
     """The MLP's FP8 training step (module docstring). Under autocast, x and the weights are quantized
     from their own dtype, the forward's output is in the autocast dtype, and each gradient comes back
-    in its input's dtype (fp32 weights: from the GEMM's fp32 result)."""
+    in its input's dtype (fp32 weights: from the GEMM's fp32 result).
+
+    LoRA's terms (lora.py), in 16 bits beside the FP8 GEMMs: ``u`` [M, R] and ``v`` [2I, R] (the
+    weight's packing) add u v^T to h; dU and dV come from the packed gradient as the dX and
+    dW_gate_up GEMMs read it (dequantized). With ``with_a`` the forward also returns ``a`` as the
+    down GEMM reads it (dequantized, [M, I]) for the down projection's adapters, and the gradient
+    that comes back to it joins dA."""
 
     @staticmethod
-    def forward(ctx, x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, save, out_dtype):
+    def forward(
+        ctx, x2d, gate_up_weight, down_weight, u, v, gate_multiplier, down_multiplier, save, out_dtype, with_a
+    ):
         m, inter = x2d.shape[0], down_weight.shape[1]
         rows = padded_rows(m)
         kept = KEPT[save]
         x_data, x_scales, xt_data, xt_scales = quantize(x2d, rows, True)
         h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
+        if u is not None:
+            h[:m].addmm_(u, gate_up_in_halves(v).t())
         a_data, a_scales, at_data, at_scales, kept_data, kept_scales = glu_forward(
             h, inter, kept, gate_multiplier, down_multiplier
         )
         del h
-        y = mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype)
+        y = _unpadded(mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype), m)
         ctx.save_for_backward(
-            gate_up_weight, down_weight, xt_data, xt_scales, at_data, at_scales, kept_data, kept_scales
+            gate_up_weight, down_weight, xt_data, xt_scales, at_data, at_scales, kept_data, kept_scales, u, v
         )
         ctx.scalars = (m, kept, gate_multiplier, down_multiplier, out_dtype)
         ctx.grad_dtypes = (x2d.dtype, gate_up_weight.dtype, down_weight.dtype)
-        return _unpadded(y, m)
+        if not with_a:
+            return y
+        return y, dequantize(Fp8(a_data, a_scales))[:m, :inter].to(out_dtype)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, da_out=None):
         _refuse_double_backward()
-        gate_up_weight, down_weight, xt_data, xt_scales, at_data, at_scales, kept_data, kept_scales = (
+        gate_up_weight, down_weight, xt_data, xt_scales, at_data, at_scales, kept_data, kept_scales, u, v = (
             ctx.saved_tensors
         )
         m, kept, gate_multiplier, down_multiplier, out_dtype = ctx.scalars
         x_dtype, gate_up_dtype, down_dtype = ctx.grad_dtypes
-        need_dx, need_dw_gate_up, need_dw_down = ctx.needs_input_grad[:3]
+        need_dx, need_dw_gate_up, need_dw_down, need_du, need_dv = ctx.needs_input_grad[:5]
         rows = padded_rows(m)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dy_data, dy_scales, dyt_data, dyt_scales = quantize(dy, rows, need_dw_down)
-        dx = dw_gate_up = dw_down = None
+        dx = dw_gate_up = dw_down = du = dv = None
         a_t_from_backward = need_dw_down and kept == KEPT["preact"]  # the forward did not keep a^T
-        if need_dx or need_dw_gate_up or a_t_from_backward:
+        grad_rows = need_dx or need_du or need_dv
+        if grad_rows or need_dw_gate_up or a_t_from_backward:
             da = mm(Fp8(dy_data, dy_scales), _weight(down_weight, True), out_dtype)
+            if da_out is not None:
+                da[:m] += da_out
             multipliers = (gate_multiplier, down_multiplier)
             g_data, g_scales, gt_data, gt_scales, bt_data, bt_scales = glu_backward(
-                da, kept_data, kept_scales, kept, *multipliers, need_dx, need_dw_gate_up, a_t_from_backward
+                da, kept_data, kept_scales, kept, *multipliers, grad_rows, need_dw_gate_up, a_t_from_backward
             )
             del da
             if a_t_from_backward:
@@ -241,4 +266,9 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
             dx = _unpadded(mm(Fp8(g_data, g_scales), _weight(gate_up_weight, True, halves=True), x_dtype), m)
         if need_dw_gate_up:
             dw_gate_up = mm(Fp8(gt_data, gt_scales), Fp8(xt_data, xt_scales), gate_up_dtype)
-        return dx, dw_gate_up, dw_down, None, None, None, None
+        if need_du or need_dv:
+            inter = down_weight.shape[1]
+            dh = dequantize(Fp8(g_data, g_scales))[:m, : halves_width(inter)].to(u.dtype)
+            du = dh @ gate_up_in_halves(v) if need_du else None
+            dv = gate_up_from_halves(dh.t() @ u, inter) if need_dv else None
+        return dx, dw_gate_up, dw_down, du, dv, None, None, None, None, None
