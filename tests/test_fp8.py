@@ -407,6 +407,25 @@ def test_fp8_step_with_lora_terms_is_the_recipe(device, precision, save):
         assert sqnr(want, best) >= RECIPE_SQNR_DB, name
 
 
+def test_fp8_inference_with_lora_terms_is_the_training_forward(device):
+    """Without autograd the LoRA terms take the FP8 inference path (nothing kept); at decode sizes,
+    as swiglu_mlp, none (the adapters then run in 16 bits)."""
+    from fused_swiglu.functional import fp8_mlp_with_adapters
+
+    size = (200, 256, 384)
+    x, w_gate_up, w_down, dy = _problem(size, torch.bfloat16, device)
+    u, v, _ = _low_rank_problem(size, torch.bfloat16, device)
+    scalars = {"gate_multiplier": 0.8, "down_multiplier": 1.25, "save": "factors"}
+    with torch.no_grad():
+        y, a = fp8_mlp_with_adapters(x, w_gate_up, w_down, (u, v), True, **scalars)
+        assert fp8_mlp_with_adapters(x[:8], w_gate_up, w_down, (u[:8], v), True, **scalars) is None
+    want_y, want_a, _ = fp8_reference.swiglu_mlp_fp8_adapted(
+        x, w_gate_up, w_down, dy, gate_multiplier=0.8, down_multiplier=1.25, low_rank=(u, v)
+    )
+    bound = recipe_bound(torch.bfloat16, device)
+    assert relative_error(y, want_y) <= bound and relative_error(a, want_a) <= bound
+
+
 def test_fp8_under_autocast_keeps_each_dtype(device):
     """fp32 master weights under bf16 autocast: quantized from fp32, the output in bf16, each
     gradient in its leaf's dtype, equal to the same step with the weights cast by hand."""

@@ -226,7 +226,7 @@ def fp8_mlp_with_adapters(
     added to the packed pre-activation as ``swiglu_linear`` adds it, and with ``with_a`` also ``a``
     as the down GEMM reads it, for the down projection's adapters (fp8/ops.py). Returns ``(y, a)``
     (``a`` None without ``with_a``), or None where the FP8 path does not take the call (then the
-    adapters run in 16 bits)."""
+    adapters run in 16 bits), as ``swiglu_mlp`` decides it (decode sizes without autograd included)."""
     compute_dtype = autocast_dtype(x)
     x = cast_for_autocast(x, compute_dtype)
     _validate(x, gate_up_weight, down_weight, compute_dtype)
@@ -241,9 +241,14 @@ def fp8_mlp_with_adapters(
         _check_multiplier("gate_multiplier", gate_multiplier),
         _check_multiplier("down_multiplier", down_multiplier),
     )
-    out = SwiGLUMLPFp8Function.apply(
-        x2d, gate_up_weight, down_weight, u, v, *scalars, save, x2d.dtype, with_a
-    )
+    if _needs_autograd(x2d, gate_up_weight, down_weight, u, v):
+        out = SwiGLUMLPFp8Function.apply(
+            x2d, gate_up_weight, down_weight, u, v, *scalars, save, x2d.dtype, with_a
+        )
+    elif inference_uses_cublas(x2d.shape[0]):
+        return None  # decode sizes: 16 bits, as swiglu_mlp runs them
+    else:
+        out = fp8_mlp_inference(x2d, gate_up_weight, down_weight, *scalars, x2d.dtype, u, v, with_a)
     y, a = out if with_a else (out, None)
     if x.dim() != 2:
         y = y.reshape(x.shape)

@@ -188,14 +188,39 @@ def _unpadded(t: torch.Tensor, m: int) -> torch.Tensor:
     return t if t.shape[0] == m else t[:m]
 
 
-def mlp_inference(x2d, gate_up_weight, down_weight, gate_multiplier, down_multiplier, out_dtype):
-    """y [M, H] in ``out_dtype``, nothing kept."""
+def _pre_activation(x_data, x_scales, gate_up_weight, u, v, out_dtype):
+    """h [Mp, halves_width(I)] in halves: the gate/up GEMM, plus u v^T (LoRA's term) where given."""
+    h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
+    if u is not None:
+        h[: u.shape[0]].addmm_(u, gate_up_in_halves(v).t())
+    return h
+
+
+def _a_as_read(a_data, a_scales, m, inter, out_dtype):
+    """``a`` [M, I] as the down GEMM reads it: the FP8 ``a`` dequantized, in ``out_dtype``."""
+    return dequantize(Fp8(a_data, a_scales))[:m, :inter].to(out_dtype)
+
+
+def mlp_inference(
+    x2d,
+    gate_up_weight,
+    down_weight,
+    gate_multiplier,
+    down_multiplier,
+    out_dtype,
+    u=None,
+    v=None,
+    with_a=False,
+):
+    """y [M, H] in ``out_dtype``, nothing kept; with LoRA's terms as the Function takes them, and
+    with ``with_a`` (y, a)."""
     m, inter = x2d.shape[0], down_weight.shape[1]
     x_data, x_scales, _, _ = quantize(x2d, padded_rows(m), False)
-    h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
+    h = _pre_activation(x_data, x_scales, gate_up_weight, u, v, out_dtype)
     a_data, a_scales, *_ = glu_forward(h, inter, 0, gate_multiplier, down_multiplier)
     del h
-    return _unpadded(mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype), m)
+    y = _unpadded(mm(Fp8(a_data, a_scales), _weight(down_weight, False), out_dtype), m)
+    return (y, _a_as_read(a_data, a_scales, m, inter, out_dtype)) if with_a else y
 
 
 class SwiGLUMLPFp8Function(torch.autograd.Function):
@@ -217,9 +242,7 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
         rows = padded_rows(m)
         kept = KEPT[save]
         x_data, x_scales, xt_data, xt_scales = quantize(x2d, rows, True)
-        h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
-        if u is not None:
-            h[:m].addmm_(u, gate_up_in_halves(v).t())
+        h = _pre_activation(x_data, x_scales, gate_up_weight, u, v, out_dtype)
         a_data, a_scales, at_data, at_scales, kept_data, kept_scales = glu_forward(
             h, inter, kept, gate_multiplier, down_multiplier
         )
@@ -232,7 +255,7 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
         ctx.grad_dtypes = (x2d.dtype, gate_up_weight.dtype, down_weight.dtype)
         if not with_a:
             return y
-        return y, dequantize(Fp8(a_data, a_scales))[:m, :inter].to(out_dtype)
+        return y, _a_as_read(a_data, a_scales, m, inter, out_dtype)
 
     @staticmethod
     def backward(ctx, dy, da_out=None):
