@@ -180,14 +180,8 @@ def swiglu_mlp(
 
     scalars = (gate_multiplier, down_multiplier)
     if check_fp8(fp8, hidden, gate_up_weight.shape[0] // 2) and _takes_fp8(x2d, save):
-        # The weights are quantized from their own dtype; the output is in x's (the autocast dtype).
-        if _needs_autograd(x2d, gate_up_weight, down_weight):
-            y = SwiGLUMLPFp8Function.apply(
-                x2d, gate_up_weight, down_weight, None, None, *scalars, save, x2d.dtype, False
-            )
-            return y if x.dim() == 2 else y.reshape(x.shape)
-        if not inference_uses_cublas(x2d.shape[0]):
-            y = fp8_mlp_inference(x2d, gate_up_weight, down_weight, *scalars, x2d.dtype)
+        y = _fp8_call(x2d, gate_up_weight, down_weight, None, None, scalars, save, False)
+        if y is not None:
             return y if x.dim() == 2 else y.reshape(x.shape)
     fused = fused_path_available(x2d, gate_up_weight)
     if fused and _needs_autograd(x2d, gate_up_weight, down_weight):
@@ -209,6 +203,19 @@ def swiglu_mlp(
                 down_multiplier=down_multiplier,
             )
     return y if x.dim() == 2 else y.reshape(x.shape)  # y's last dim is hidden, as x's
+
+
+def _fp8_call(x2d, gate_up_weight, down_weight, u, v, scalars, save, with_a):
+    """The FP8 path's output (``(y, a)`` with ``with_a``): the training Function where autograd
+    records, else the inference pass; None at decode sizes without autograd (16 bits run those). The
+    weights are quantized from their own dtype; the output is in x's (the autocast dtype)."""
+    if _needs_autograd(x2d, gate_up_weight, down_weight, u, v):
+        return SwiGLUMLPFp8Function.apply(
+            x2d, gate_up_weight, down_weight, u, v, *scalars, save, x2d.dtype, with_a
+        )
+    if inference_uses_cublas(x2d.shape[0]):
+        return None
+    return fp8_mlp_inference(x2d, gate_up_weight, down_weight, *scalars, x2d.dtype, u, v, with_a)
 
 
 def fp8_mlp_with_adapters(
@@ -241,14 +248,9 @@ def fp8_mlp_with_adapters(
         _check_multiplier("gate_multiplier", gate_multiplier),
         _check_multiplier("down_multiplier", down_multiplier),
     )
-    if _needs_autograd(x2d, gate_up_weight, down_weight, u, v):
-        out = SwiGLUMLPFp8Function.apply(
-            x2d, gate_up_weight, down_weight, u, v, *scalars, save, x2d.dtype, with_a
-        )
-    elif inference_uses_cublas(x2d.shape[0]):
-        return None  # decode sizes: 16 bits, as swiglu_mlp runs them
-    else:
-        out = fp8_mlp_inference(x2d, gate_up_weight, down_weight, *scalars, x2d.dtype, u, v, with_a)
+    out = _fp8_call(x2d, gate_up_weight, down_weight, u, v, scalars, save, with_a)
+    if out is None:
+        return None
     y, a = out if with_a else (out, None)
     if x.dim() != 2:
         y = y.reshape(x.shape)

@@ -194,11 +194,12 @@ def fused_forward(
         raise TypeError("fused_swiglu: a tensor-parallel SwiGLUMLP runs without adapters on its projections")
     if low_rank is None and is_lora_layer(down) and not torch.compiler.is_compiling():
         _warn_adapters_after_swap(mlp)
-    if fp8 and type(base_of(down)) is nn.Linear:
+    down_base = base_of(down)
+    if fp8 and type(down_base) is nn.Linear:
         multipliers = {"gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier}
         with_a = has_active_adapters(down)
         taken = fp8_mlp_with_adapters(
-            x, gate_up_weight, base_of(down).weight, low_rank, with_a, **multipliers, save=save
+            x, gate_up_weight, down_base.weight, low_rank, with_a, **multipliers, save=save
         )
         if taken is not None:
             y, a = taken
