@@ -225,6 +225,45 @@ def test_glu_passes_match_the_reference(device, precision, kept, inter):
             kernels.glu_backward(da, saved, kept, 0.7, 1.3, rows=False, transposed=False, a_t=True)
 
 
+@pytest.mark.parametrize("kept", [0, 1, 2], ids=["inference", "factors", "preact"])
+@pytest.mark.parametrize(("groups", "stages"), [(5, 2), (12, 3)])
+def test_glu_passes_in_a_loop_are_the_same_passes(device, kept, groups, stages):
+    """A program making several groups one after another, loads ahead (configs.fp8_forward_pass and
+    fp8_gradient_pass), stores exactly what one group a program does; 12 groups of a, 20 of the
+    gradient's rows and 19 of its transpose in programs of 5 or 12: ragged last ones."""
+    mp, inter = 128, 1200
+    h = pack_halves(torch.randn(mp, inter) * 2, torch.randn(mp, inter) * 2).to(device=device)
+    one = kernels.glu_forward(h, inter, kept, 0.7, 1.3, groups=1, stages=1)
+    looped = kernels.glu_forward(h, inter, kept, 0.7, 1.3, groups=groups, stages=stages)
+    if kept:
+        da = torch.randn(mp, inter, device=device)
+        for rows, transposed in ((True, True), (False, True)):
+            flags = {"rows": rows, "transposed": transposed, "a_t": kept == 2}
+            one += kernels.glu_backward(da, one[2], kept, 0.7, 1.3, **flags, groups=1, stages=1)
+            looped += kernels.glu_backward(da, one[2], kept, 0.7, 1.3, **flags, groups=groups, stages=stages)
+    for got, want in zip(looped, one, strict=True):
+        if want is None:
+            assert got is None
+        else:
+            assert_same_fp8(got, want)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("rows", "cols"), [(256, 512), (200, 384), (129, 136)])
+def test_dequantize_pass_is_the_format_values(device, out_dtype, rows, cols):
+    """Rows [Mp, W] in one pass to ``out_dtype``, cut to [rows, cols]: the format's fp32 values
+    rounded once; a NaN and an infinite group come through."""
+    x = torch.randn(256, 512, device=device) * torch.logspace(-3, 3, 512, device=device)
+    x[5, 7], x[9, 300] = float("nan"), float("inf")
+    q = quantize_rows(x, width=512)
+    got = kernels.dequantize(q, rows, cols, out_dtype)
+    want = dequantize(q)[:rows, :cols].to(out_dtype)
+    assert got.dtype == out_dtype and got.shape == (rows, cols)
+    assert torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0)) and got[5, 7].isnan()
+    with pytest.raises(ValueError, match="dequantize"):
+        kernels.dequantize(q, 257, cols, out_dtype)
+
+
 @pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "rows"])
 @pytest.mark.parametrize("k", [384, 512, 896])
 def test_scaled_gemm_is_the_product_of_its_dequantized_operands(device, blocks, k):
@@ -529,6 +568,8 @@ def test_fp8_ops_pass_opcheck(device):
         kept = ops.glu_forward(h, 200, save, 1.0, 1.0)[4:]
         args = (da, *kept, save, 1.0, 1.0, True, False, a_t)
         torch.library.opcheck(ops.glu_backward, args, test_utils=checks)
+    a_data, a_scales = ops.glu_forward(h, 200, 0, 1.0, 1.0)[:2]
+    torch.library.opcheck(ops.dequantize, (a_data, a_scales, 200, 200, torch.bfloat16), test_utils=checks)
 
 
 # The module, the swap, bad input ---------------------------------------------------------------------------

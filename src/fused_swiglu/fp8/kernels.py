@@ -11,7 +11,8 @@ defines what they write; it is their reference):
 * ``glu_backward``: dA [Mp, I] and the kept tensor -> the packed gradient [dU | dG] in halves as
   rows for dX and its transpose, in the weight's packing, as rows for dW_gate_up, and from kept
   pre-activations ``a``'s transpose (the forward did not keep it: I bytes a token less, for a pass
-  that reads the same bytes).
+  that reads the same bytes);
+* ``dequantize``: rows -> their values in 16 or 32 bits, for LoRA's terms beside the FP8 GEMMs.
 
 A tile is 128 rows (one group of tokens) by one group of columns, so each tile finds its own
 scales; up and gate come and go as two [128, 64] tiles of a group in halves, so nothing is
@@ -38,7 +39,7 @@ from ..kernels.common import (
     silu_and_slope,
     tma_ready,
 )
-from ..kernels.configs import FP8_FORWARD_PASS_WARPS, FP8_PASS_WARPS
+from ..kernels.configs import FP8_PASS_WARPS, fp8_forward_pass, fp8_gradient_pass
 from ..kernels.launch import KernelLauncher, Tma
 from .format import E4M3, GROUP, HALF, MIN_AMAX, Fp8, halves_width, reduction_width
 
@@ -256,11 +257,36 @@ def _glu_forward_kernel(  # N: the intermediate size
     SAVE: tl.constexpr,  # 1: factors [silu(g) | gate_multiplier * u * silu'(g)]; 2: [u | unscaled g]
     BM: tl.constexpr,
     G: tl.constexpr,
+    GROUPS_: tl.constexpr,  # groups of a's rows a program makes, one after another
+    STAGES_: tl.constexpr,  # loads in flight ahead of the group being made
     SOFTWARE_: tl.constexpr,
 ):
-    # A program makes one group of a's rows (G intermediate columns) from two groups of h.
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    # A program makes GROUPS_ groups of a's rows (G intermediate columns each), each from two groups
+    # of h; the loop lets the next groups' loads run while one is made.
+    i_m, i_p = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM
+    if GROUPS_ == 1:  # no loop, whose counter costs registers
+        _a_group(
+            h_desc, a_desc, as_ptr, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, i_p, Mp, N,
+            gate_multiplier, down_multiplier, SAVE, G, SOFTWARE_,
+        )  # fmt: skip
+    else:
+        first = i_p * GROUPS_
+        last = tl.minimum(first + GROUPS_, tl.cdiv(N, 4 * G) * 4)  # a's groups: reduction_width(N) / G
+        for i in tl.range(first, last, num_stages=STAGES_):
+            i_n = tl.cast(i, tl.int32)  # the interpreter's loop counts in Python ints
+            _a_group(
+                h_desc, a_desc, as_ptr, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, i_n, Mp, N,
+                gate_multiplier, down_multiplier, SAVE, G, SOFTWARE_,
+            )  # fmt: skip
+
+
+@triton.jit
+def _a_group(
+    h_desc, a_desc, as_ptr, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, i_n, Mp, N, gate_multiplier,
+    down_multiplier, SAVE: tl.constexpr, G: tl.constexpr, SOFTWARE_: tl.constexpr
+):  # fmt: skip
+    """Group ``i_n`` of a's rows (G intermediate columns) from two groups of h, and what they keep."""
     b_lo = _glu_group(
         h_desc, k_desc, ks_ptr, at_desc, ats_ptr, o_m, i_m, 2 * i_n, Mp, N,
         gate_multiplier, down_multiplier, SAVE, G, SOFTWARE_,
@@ -273,27 +299,13 @@ def _glu_forward_kernel(  # N: the intermediate size
 
 
 @triton.jit
-def _glu_backward_kernel(  # N: the intermediate size
-    da_desc,  # [Mp, N] dA = dY @ W_down (before the down multiplier), tiles [BM, G / 2]
-    k_desc,  # [Mp, halves_width(N)] e4m3 in halves, kept by the forward, tiles [BM, G / 2]
-    ks_ptr,  # [halves_width(N) / G, Mp]
-    g_desc,  # [Mp, Wp] e4m3 [dU | dG] in halves, zeros up to dX's reduction width Wp; or None
-    gs_ptr,  # [Wp / G, Mp]
-    gt_desc,  # [2N, Mp] e4m3 in the weight's packing, in chunk pairs (_chunk_pairs); or None
-    gts_ptr,  # [Mp / G, 2N]
-    at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]: a's transpose from the kept pre-activations; or None
-    ats_ptr,  # [Mp / G, N]
-    Mp,
-    N,
-    gate_multiplier,
-    down_multiplier,
-    SAVE: tl.constexpr,
-    BM: tl.constexpr,
-    G: tl.constexpr,
-    CHUNK_: tl.constexpr,
-    SOFTWARE_: tl.constexpr,
-):
-    i_m, i_g = tl.program_id(0), tl.program_id(1)  # i_g: a group of the packed gradient
+def _gradient_group(
+    da_desc, k_desc, ks_ptr, g_desc, gs_ptr, gt_desc, gts_ptr, at_desc, ats_ptr, i_m, i_g, Mp, N,
+    gate_multiplier, down_multiplier,
+    SAVE: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, CHUNK_: tl.constexpr, SOFTWARE_: tl.constexpr,
+):  # fmt: skip
+    """Group ``i_g`` of the packed gradient (G / 2 intermediate columns) of row block ``i_m``: its
+    rows, its transpose's rows and a's transpose stored, each where asked."""
     o_m, o_n = i_m * BM, i_g * (G // 2)
     inside = o_n < N  # else a padding group: dA and the kept tensor read as zeros
     b_da = da_desc.load([o_m, o_n]).to(tl.float32) * down_multiplier
@@ -322,10 +334,69 @@ def _glu_backward_kernel(  # N: the intermediate size
             _store_transposed(b_dg, gt_desc, [pair, CHUNK_, o_m], s_row, packed + CHUNK_, o_c < N, SOFTWARE_)
 
 
+@triton.jit
+def _glu_backward_kernel(  # N: the intermediate size
+    da_desc,  # [Mp, N] dA = dY @ W_down (before the down multiplier), tiles [BM, G / 2]
+    k_desc,  # [Mp, halves_width(N)] e4m3 in halves, kept by the forward, tiles [BM, G / 2]
+    ks_ptr,  # [halves_width(N) / G, Mp]
+    g_desc,  # [Mp, Wp] e4m3 [dU | dG] in halves, zeros up to dX's reduction width Wp; or None
+    gs_ptr,  # [Wp / G, Mp]
+    gt_desc,  # [2N, Mp] e4m3 in the weight's packing, in chunk pairs (_chunk_pairs); or None
+    gts_ptr,  # [Mp / G, 2N]
+    at_desc,  # [N, Mp] e4m3, tiles [G / 2, BM]: a's transpose from the kept pre-activations; or None
+    ats_ptr,  # [Mp / G, N]
+    Mp,
+    N,
+    n_groups,
+    gate_multiplier,
+    down_multiplier,
+    SAVE: tl.constexpr,
+    BM: tl.constexpr,
+    G: tl.constexpr,
+    GROUPS_: tl.constexpr,  # groups of the packed gradient a program makes, one after another
+    STAGES_: tl.constexpr,  # loads in flight ahead of the group being made
+    CHUNK_: tl.constexpr,
+    SOFTWARE_: tl.constexpr,
+):
+    # A program makes GROUPS_ of the packed gradient's groups of one row block (n_groups in all).
+    i_m, i_p = tl.program_id(0), tl.program_id(1)
+    if GROUPS_ == 1:  # no loop: a loop's counter costs registers the pass spills without
+        _gradient_group(
+            da_desc, k_desc, ks_ptr, g_desc, gs_ptr, gt_desc, gts_ptr, at_desc, ats_ptr, i_m, i_p, Mp, N,
+            gate_multiplier, down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_,
+        )  # fmt: skip
+    else:
+        first = i_p * GROUPS_
+        for i in tl.range(first, tl.minimum(first + GROUPS_, n_groups), num_stages=STAGES_):
+            i_g = tl.cast(i, tl.int32)  # the interpreter's loop counts in Python ints
+            _gradient_group(
+                da_desc, k_desc, ks_ptr, g_desc, gs_ptr, gt_desc, gts_ptr, at_desc, ats_ptr, i_m, i_g, Mp,
+                N, gate_multiplier, down_multiplier, SAVE, BM, G, CHUNK_, SOFTWARE_,
+            )  # fmt: skip
+
+
+@triton.jit
+def _dequantize_kernel(
+    q_desc,  # [Mp, W] e4m3 rows, tiles [BM, G]
+    s_ptr,  # [W / G, Mp]
+    out_desc,  # [M, C] with M <= Mp and C <= W, tiles [BM, G]: writes past its edge are dropped
+    Mp,
+    BM: tl.constexpr,
+    G: tl.constexpr,
+    SOFTWARE_: tl.constexpr,
+):
+    i_m, i_g = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM
+    scale = tl.load(s_ptr + i_g.to(tl.int64) * Mp + o_m + tl.arange(0, BM))
+    b = _from_e4m3(q_desc.load([o_m, i_g * G]), SOFTWARE_) * scale[:, None]
+    out_desc.store([o_m, i_g * G], b.to(out_desc.dtype))
+
+
 _launch_quantize_activation = KernelLauncher(_quantize_activation_kernel, descriptor)
 _launch_quantize_weight = KernelLauncher(_quantize_weight_kernel, descriptor)
 _launch_glu_forward = KernelLauncher(_glu_forward_kernel, descriptor)
 _launch_glu_backward = KernelLauncher(_glu_backward_kernel, descriptor)
+_launch_dequantize = KernelLauncher(_dequantize_kernel, descriptor)
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
@@ -408,6 +479,8 @@ def glu_forward(
     gate_multiplier: float,
     down_multiplier: float,
     warps: int | None = None,
+    groups: int | None = None,
+    stages: int | None = None,
 ):
     """From the pre-activation h [Mp, halves_width(inter)] in halves: ``a`` as rows [Mp,
     reduction_width(inter)], and for training the kept tensor (rows, in halves; ``save`` 1: factors,
@@ -421,8 +494,10 @@ def glu_forward(
         at = _a_t(inter, mp, h)
     if save:
         kept = Fp8(empty(h.shape, h, E4M3), empty((h.shape[1] // GROUP, mp), h, torch.float32))
+    pipeline = fp8_forward_pass(save)
+    warps, groups, stages = warps or pipeline.warps, groups or pipeline.groups, stages or pipeline.stages
     _launch_glu_forward(
-        (mp // GROUP, width // GROUP),
+        (mp // GROUP, cdiv(width // GROUP, groups)),
         _tma(h, (GROUP, HALF)),
         _tma(a.data, (GROUP, HALF)),
         a.scales,
@@ -437,8 +512,10 @@ def glu_forward(
         SAVE=save,
         BM=GROUP,
         G=GROUP,
+        GROUPS_=groups,
+        STAGES_=stages,
         SOFTWARE_=SOFTWARE,
-        num_warps=warps or (FP8_FORWARD_PASS_WARPS if save else FP8_PASS_WARPS),
+        num_warps=warps,
     )
     return a, (at if save == 1 else None), (kept if save else None)
 
@@ -457,6 +534,8 @@ def glu_backward(
     transposed: bool,
     a_t: bool = False,
     warps: int | None = None,
+    groups: int | None = None,
+    stages: int | None = None,
 ) -> tuple[Fp8 | None, Fp8 | None, Fp8 | None]:
     """The packed gradient [dU | dG] from dA [Mp, I] and the forward's kept tensor: as rows in
     halves [Mp, reduction_width(halves_width(I))] (for dX) and its transpose as rows [2I, Mp] in
@@ -474,8 +553,11 @@ def glu_backward(
         grad = Fp8(empty((mp, width), da, E4M3), empty((width // GROUP, mp), da, torch.float32))
     if transposed:
         grad_t = Fp8(empty((2 * inter, mp), da, E4M3), empty((mp // GROUP, 2 * inter), da, torch.float32))
+    n_groups = (width if rows else packed) // GROUP
+    pipeline = fp8_gradient_pass(save)
+    warps, groups, stages = warps or pipeline.warps, groups or pipeline.groups, stages or pipeline.stages
     _launch_glu_backward(
-        (mp // GROUP, (width if rows else packed) // GROUP),
+        (mp // GROUP, cdiv(n_groups, groups)),
         _tma(tma_ready(da), (GROUP, HALF)),
         _tma(kept.data, (GROUP, HALF)),
         kept.scales,
@@ -487,13 +569,42 @@ def glu_backward(
         at.scales,
         mp,
         inter,
+        n_groups,
         float(gate_multiplier),
         float(down_multiplier),
         SAVE=save,
         BM=GROUP,
         G=GROUP,
+        GROUPS_=groups,
+        STAGES_=stages,
         CHUNK_=CHUNK,
+        SOFTWARE_=SOFTWARE,
+        num_warps=warps,
+    )
+    return (grad if rows else None), (grad_t if transposed else None), (at if a_t else None)
+
+
+def dequantize(
+    t: Fp8, rows: int, cols: int, out_dtype: torch.dtype, warps: int | None = None
+) -> torch.Tensor:
+    """The values of rows ``t`` [Mp, W] (format.dequantize) in ``out_dtype``, its first ``rows`` rows
+    and ``cols`` columns, in one pass: for the 16-bit operands that LoRA's terms take from ``a`` and
+    the packed gradient."""
+    mp, width = t.data.shape
+    if rows > mp or cols > width or t.blocks:
+        raise ValueError(f"dequantize takes rows [{mp}, {width}] to at most that size, got [{rows}, {cols}]")
+    # The interpreter rounds fp32 to bf16 toward zero: there the pass writes fp32, rounded after.
+    rounds_after = SOFTWARE and out_dtype == torch.bfloat16
+    out = empty((rows, cols), t.scales, torch.float32 if rounds_after else out_dtype)
+    _launch_dequantize(
+        (mp // GROUP, cdiv(cols, GROUP)),
+        _tma(t.data, (GROUP, GROUP)),
+        t.scales,
+        _tma(out, (GROUP, GROUP)),
+        mp,
+        BM=GROUP,
+        G=GROUP,
         SOFTWARE_=SOFTWARE,
         num_warps=warps or FP8_PASS_WARPS,
     )
-    return (grad if rows else None), (grad_t if transposed else None), (at if a_t else None)
+    return out.to(out_dtype)

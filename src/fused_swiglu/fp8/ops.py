@@ -33,7 +33,6 @@ from . import kernels
 from .format import (
     GROUP,
     Fp8,
-    dequantize,
     gate_up_from_halves,
     gate_up_in_halves,
     halves_width,
@@ -139,6 +138,23 @@ glu_forward = define(
 
 @_on_tensor_device
 @planned
+def _dequantize(data, scales, rows, cols, dtype):
+    return kernels.dequantize(Fp8(data, scales), rows, cols, dtype)
+
+
+def _dequantize_fake(data, scales, rows, cols, dtype):
+    return data.new_empty(rows, cols, dtype=dtype)
+
+
+dequantize = define(
+    "fp8_dequantize(Tensor data, Tensor scales, int rows, int cols, ScalarType dtype) -> Tensor",
+    _dequantize,
+    _dequantize_fake,
+)
+
+
+@_on_tensor_device
+@planned
 def _glu_backward(da, kept_data, kept_scales, kept, gate_multiplier, down_multiplier, rows, transposed, a_t):
     multipliers = (gate_multiplier, down_multiplier)
     grad, grad_t, at = kernels.glu_backward(
@@ -198,7 +214,7 @@ def _pre_activation(x_data, x_scales, gate_up_weight, u, v, out_dtype):
 
 def _a_as_read(a_data, a_scales, m, inter, out_dtype):
     """``a`` [M, I] as the down GEMM reads it: the FP8 ``a`` dequantized, in ``out_dtype``."""
-    return dequantize(Fp8(a_data, a_scales))[:m, :inter].to(out_dtype)
+    return dequantize(a_data, a_scales, m, inter, out_dtype)
 
 
 def mlp_inference(
@@ -291,7 +307,7 @@ class SwiGLUMLPFp8Function(torch.autograd.Function):
             dw_gate_up = mm(Fp8(gt_data, gt_scales), Fp8(xt_data, xt_scales), gate_up_dtype)
         if need_du or need_dv:
             inter = down_weight.shape[1]
-            dh = dequantize(Fp8(g_data, g_scales))[:m, : halves_width(inter)].to(u.dtype)
+            dh = dequantize(g_data, g_scales, m, halves_width(inter), u.dtype)
             du = dh @ gate_up_in_halves(v) if need_du else None
             dv = gate_up_from_halves(dh.t() @ u, inter) if need_dv else None
         return dx, dw_gate_up, dw_down, du, dv, None, None, None, None, None

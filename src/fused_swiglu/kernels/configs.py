@@ -163,10 +163,30 @@ def routed_backward_is_warp_specialized(
 
 
 #: Warps per program of the FP8 path's passes (fp8/kernels.py): 4 (more programs per SM), the
-#: fastest of 4, 8 and 16 for every pass on an H100 (docs/benchmarks/fp8/results.md, round FP8-3);
-#: 8 for the SwiGLU forward pass in training, which spills at 4 and ran within 2% of it at 8.
+#: fastest of 4, 8 and 16 for every pass on an H100 (docs/benchmarks/fp8/results.md, round FP8-3).
 FP8_PASS_WARPS = 4
-FP8_FORWARD_PASS_WARPS = 8
+
+
+@dataclass(frozen=True)
+class PassLaunch:
+    """Launch of an FP8 SwiGLU pass: warps a program, groups (of ``a``'s rows, of the packed
+    gradient) a program makes one after another, and the loads in flight ahead of the one being made."""
+
+    warps: int
+    groups: int
+    stages: int
+
+
+def fp8_forward_pass(save: int) -> PassLaunch:
+    """In training (``save`` 1 or 2) 8 warps (4 spill) and 8 groups two loads deep: one program an SM
+    at 8 warps, so the loop is what overlaps one group's loads with another's work (round FP8-5);
+    at inference (``save`` 0) one group at 4 warps."""
+    return PassLaunch(8, 8, 2) if save else PassLaunch(FP8_PASS_WARPS, 1, 1)
+
+
+def fp8_gradient_pass(save: int) -> PassLaunch:
+    """The FP8 SwiGLU gradient pass: one group a program at 4 warps (the loop untimed)."""
+    return PassLaunch(FP8_PASS_WARPS, 1, 1)
 
 
 # Small tiles under the interpreter: they keep CPU runs fast and make modest test shapes span many
