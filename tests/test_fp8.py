@@ -446,6 +446,22 @@ def test_fp8_step_with_lora_terms_is_the_recipe(device, precision, save):
         assert sqnr(want, best) >= RECIPE_SQNR_DB, name
 
 
+def test_fp8_low_rank_term_joins_h_with_one_rounding(device):
+    """u v^T is added to the gate/up GEMM's h in fp32 and rounded once: a 16-bit addmm_ on CUDA
+    rounds u v^T first, which moves over a quarter of h's elements and the output by 1.6%."""
+    from fused_swiglu.fp8 import ops
+
+    size = (200, 256, 384)
+    x, w_gate_up, _, _ = _problem(size, torch.bfloat16, device)
+    u, v, _ = _low_rank_problem(size, torch.bfloat16, device)
+    x_data, x_scales, _, _ = ops.quantize(x, padded_rows(200), False)
+    plain = ops._pre_activation(x_data, x_scales, w_gate_up, None, None, torch.bfloat16)
+    h = ops._pre_activation(x_data, x_scales, w_gate_up, u, v, torch.bfloat16)
+    low_rank = u.float() @ fp8_reference.gate_up_in_halves(v).float().t()
+    assert torch.equal(h[:200], (plain[:200].float() + low_rank).to(torch.bfloat16))
+    assert torch.equal(h[200:], plain[200:])
+
+
 def test_fp8_inference_with_lora_terms_is_the_training_forward(device):
     """Without autograd the LoRA terms take the FP8 inference path (nothing kept); at decode sizes,
     as swiglu_mlp, none (the adapters then run in 16 bits)."""
