@@ -207,7 +207,7 @@ def _unpadded(t: torch.Tensor, m: int) -> torch.Tensor:
 def _pre_activation(x_data, x_scales, gate_up_weight, u, v, out_dtype):
     """h [Mp, halves_width(I)] in halves: the gate/up GEMM, plus u v^T (LoRA's term) where given."""
     h = mm(Fp8(x_data, x_scales), _weight(gate_up_weight, False, halves=True), out_dtype)
-    if u is not None:  # u v^T in fp32, added and rounded once (a 16-bit addmm_ on CUDA rounds it first)
+    if u is not None:  # u v^T in fp32, added and rounded once (a 16-bit addmm_ missed that on CUDA)
         with torch.autocast(h.device.type, enabled=False):
             h[: u.shape[0]] += u.float() @ gate_up_in_halves(v).float().t()
     return h
